@@ -1,0 +1,3 @@
+from steptune.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""The ``steptune`` console script. Each area registers its own verbs from its ``cli.py``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+import steptune
+
+__all__ = ["build_parser", "main"]
+
+AREAS = ("memory", "comm", "pipeline", "kernels", "resilience")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="steptune",
+        description="Faster, more resilient large-model training on PyTorch.",
+        epilog="Run `steptune demo` for a tour; `steptune AREA --help` for an area's verbs.",
+    )
+    parser.add_argument("--version", action="version", version=f"steptune {steptune.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for area in AREAS:
+        importlib.import_module(f"steptune.{area}.cli").register(sub)
+    importlib.import_module("steptune.demo").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # user mistakes carry a message that says what to change
+        print(f"steptune {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,103 @@
+"""Process-group helpers: explicit groups, loopback only, short timeouts, clean teardown.
+
+Nothing here reads or sets the global default process group: every helper returns a group that
+callers pass explicitly (``group=``) to collectives. That is what lets tests run ranks as threads
+of one process, each with its own real gloo group.
+
+Contract: the caller that creates a master ``TCPStore`` owns it and keeps it alive until every
+group built on it is gone. A rank that fails calls ``abort_group`` so its peers see "connection
+closed" within milliseconds instead of waiting for the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "LOOPBACK",
+    "abort_group",
+    "connect_store",
+    "env_rank",
+    "master_store",
+    "new_gloo_group",
+    "irecv",
+    "isend",
+    "print0",
+    "recv",
+    "send",
+]
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=30)
+"""Never the 30-minute default: a hung peer should fail a test, not stall CI."""
+
+
+def master_store(*, host: str = LOOPBACK, port: int = 0) -> dist.TCPStore:
+    """A master ``TCPStore``; ``port=0`` lets the OS pick a free port (read it from ``.port``)."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=DEFAULT_TIMEOUT)
+
+
+def connect_store(port: int, *, host: str = LOOPBACK,
+                  timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def new_gloo_group(store: dist.Store, rank: int, world_size: int, *, prefix: str = "pg",
+                   timeout: datetime.timedelta = DEFAULT_TIMEOUT, host: str = LOOPBACK) -> dist.ProcessGroup:
+    """A gloo group bound to ``host`` (loopback by default), namespaced by ``prefix`` in ``store``."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    gloo: Any = dist.ProcessGroupGloo
+    opts = gloo._Options()
+    opts._timeout = timeout
+    opts._devices = [gloo.create_device(hostname=host)]
+    group: dist.ProcessGroup = gloo(dist.PrefixStore(prefix, store), rank, world_size, opts)
+    return group
+
+
+# P2P through the group object itself, with group-local ranks. torch.distributed.send/recv map
+# group ranks to global ranks, which fails for groups built outside init_process_group (as ours are).
+def isend(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0) -> Any:
+    return group.send([tensor], dst, tag)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0) -> Any:
+    return group.recv([tensor], src, tag)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0) -> None:
+    isend(tensor, dst, group, tag=tag).wait()
+
+
+def recv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0) -> None:
+    irecv(tensor, src, group, tag=tag).wait()
+
+
+def abort_group(group: Any) -> None:
+    """Close ``group``'s connections now so blocked peers fail fast. Safe to call twice."""
+    for name in ("abort", "shutdown"):
+        fn = getattr(group, name, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # already closed, or a backend without the method body
+                continue
+            return
+
+
+def env_rank() -> tuple[int, int, int]:
+    """``(rank, local_rank, world_size)`` from torchrun's environment; ``(0, 0, 1)`` outside it."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def print0(*args: Any, rank: int | None = None, **kwargs: Any) -> None:
+    """``print`` on rank 0 only (rank from the argument, else from the environment)."""
+    if (env_rank()[0] if rank is None else rank) == 0:
+        print(*args, **kwargs)

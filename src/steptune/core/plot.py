@@ -1,0 +1,90 @@
+"""Plots written to files. matplotlib is imported inside each function (Agg backend, no show)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from steptune.core.trace import Span
+
+__all__ = ["bars", "gantt", "pareto"]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+def gantt(spans: Sequence[Span], path: str | Path, *, title: str = "", time_unit: str = "ms") -> Path:
+    """One row per (rank, stream); a bar per span, coloured by its category."""
+    plt = _pyplot()
+    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
+    rows = sorted({(s.rank, s.stream) for s in spans})
+    row_of = {r: i for i, r in enumerate(rows)}
+    cats = sorted({s.category or s.stream for s in spans})
+    cmap = plt.get_cmap("tab10")
+    color = {c: cmap(i % 10) for i, c in enumerate(cats)}
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 1.6))
+    for s in spans:
+        c = s.category or s.stream
+        ax.barh(row_of[(s.rank, s.stream)], s.duration * scale, left=s.start * scale, color=color[c],
+                edgecolor="black", linewidth=0.3)
+    ax.set_yticks(range(len(rows)), [f"rank {r} {st}" for r, st in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({time_unit})")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color[c]) for c in cats]
+    ax.legend(handles, cats, loc="upper right", fontsize=8, ncol=min(len(cats), 4))
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def pareto(points: Sequence[tuple[float, float, str]], path: str | Path, *, xlabel: str, ylabel: str,
+           title: str = "") -> Path:
+    """Scatter of labelled (x, y) points with the lower-left Pareto frontier drawn as a step line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for x, y, label in points:
+        ax.scatter([x], [y])
+        ax.annotate(label, (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    frontier: list[tuple[float, float]] = []
+    for x, y, _ in sorted(points):
+        if not frontier or y < frontier[-1][1]:
+            frontier.append((x, y))
+    if frontier:
+        xs, ys = zip(*frontier, strict=True)
+        ax.step(xs, ys, where="post", color="gray", linestyle="--", label="Pareto frontier")
+        ax.legend()
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def bars(labels: Sequence[str], values: Sequence[float], path: str | Path, *, ylabel: str, title: str = "",
+         reference: float | None = None) -> Path:
+    """A bar per label; an optional horizontal reference line (e.g. 1.0 for ratios)."""
+    if len(labels) != len(values):
+        raise ValueError(f"{len(labels)} labels but {len(values)} values")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.7 * len(labels) + 2), 4))
+    ax.bar(range(len(values)), values)
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+    if reference is not None:
+        ax.axhline(reference, color="gray", linestyle="--")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return _save(fig, path)

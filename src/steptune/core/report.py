@@ -1,0 +1,69 @@
+"""One result table, written as JSON, Markdown and a rich console table."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Table"]
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v == 0 or 1e-3 <= abs(v) < 1e6:
+            return f"{v:.4g}"
+        return f"{v:.3e}"
+    return str(v)
+
+
+@dataclass(kw_only=True, slots=True)
+class Table:
+    title: str
+    columns: Sequence[str]
+    rows: list[list[Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Assumptions and labels printed under the table (e.g. "simulated")."""
+
+    def add(self, *values: Any) -> None:
+        if len(values) != len(self.columns):
+            raise ValueError(f"row has {len(values)} values, table {self.title!r} has {len(self.columns)} columns")
+        self.rows.append(list(values))
+
+    def records(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"title": self.title, "columns": list(self.columns), "rows": self.records(), "notes": self.notes}
+
+    def to_markdown(self) -> str:
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |",
+                 "|" + "|".join("---" for _ in self.columns) + "|"]
+        lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in self.rows]
+        lines += [""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines).rstrip() + "\n"
+
+    def print(self) -> None:
+        from rich.console import Console
+        from rich.table import Table as RichTable
+
+        t = RichTable(title=self.title)
+        for c in self.columns:
+            t.add_column(c)
+        for row in self.rows:
+            t.add_row(*(_fmt(v) for v in row))
+        console = Console()
+        console.print(t)
+        for n in self.notes:
+            console.print(f"  [dim]{n}[/dim]")
+
+    def write(self, stem: str | Path) -> tuple[Path, Path]:
+        """Write ``stem.json`` and ``stem.md``; return both paths."""
+        stem = Path(stem)
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        js, md = stem.with_suffix(".json"), stem.with_suffix(".md")
+        js.write_text(json.dumps(self.to_json(), indent=2))
+        md.write_text(self.to_markdown())
+        return js, md

@@ -1,0 +1,47 @@
+"""``steptune demo``: run the demo of every area that exists and write one report."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "run_demo"]
+
+
+def run_demo(out_dir: Path) -> Path:
+    from rich.console import Console
+
+    from steptune.core.demo import run_core_demo
+
+    console = Console()
+    demos = [("core", run_core_demo)]  # areas append theirs here as they start to work
+    sections = ["# steptune demo", "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}.", ""]
+    for name, fn in demos:
+        t0 = time.perf_counter()
+        with console.status(f"demo: {name} ..."):
+            result = fn(out_dir / name)
+        console.rule(f"{result.title} ({time.perf_counter() - t0:.1f} s)")
+        sections.append(f"## {result.title}\n")
+        for table in result.tables:
+            table.print()
+            sections.append(table.to_markdown())
+        sections.append("Artifacts:\n" + "\n".join(f"- `{p.relative_to(out_dir)}`" for p in result.artifacts))
+        sections.append("")
+    report = out_dir / "report.md"
+    report.write_text("\n".join(sections))
+    console.print(f"\nReport: {report}\nArtifacts under: {out_dir}/")
+    return report
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="run every area's demo and write a report under runs/demo/",
+                       description="Run the demo of every area that works and write a Markdown report.")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default: runs/demo)")
+
+    def run(args: argparse.Namespace) -> int:
+        run_demo(args.out)
+        return 0
+
+    p.set_defaults(func=run)

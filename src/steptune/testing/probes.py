@@ -1,0 +1,49 @@
+"""Small rank functions used to check a multi-rank setup (and by the harness's own tests).
+
+They live in a light, importable module because spawned workers re-import the module that
+defines the function they run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from steptune.core.dist import recv, send
+
+__all__ = ["all_reduce_sum", "raise_on", "ring_send_recv", "whoami"]
+
+
+def whoami(rank: int, group: Any) -> tuple[int, int]:
+    return rank, group.size()
+
+
+def all_reduce_sum(rank: int, group: Any, n: int = 4) -> list[float]:
+    t = torch.full((n,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def ring_send_recv(rank: int, group: Any) -> float:
+    """Each rank sends its rank to the next one and returns what it received from the previous."""
+    world = group.size()
+    out = torch.tensor([float(rank)])
+    got = torch.zeros(1)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    # Even ranks send first, odd ranks receive first: no deadlock with blocking P2P.
+    if rank % 2 == 0:
+        send(out, nxt, group)
+        recv(got, prv, group)
+    else:
+        recv(got, prv, group)
+        send(out, nxt, group)
+    return float(got.item())
+
+
+def raise_on(rank: int, group: Any, bad_rank: int = 1) -> list[float]:
+    """``bad_rank`` raises before the collective; the others block in it until the group aborts."""
+    if rank == bad_rank:
+        raise ValueError(f"injected failure on rank {rank}")
+    return all_reduce_sum(rank, group)

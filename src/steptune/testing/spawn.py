@@ -1,0 +1,145 @@
+"""A pool of spawned worker processes with one persistent gloo group, reused across tests.
+
+Spawning costs seconds per rank on a small machine (each process imports torch), so a pool is
+created once per module or session and each ``run`` only sends a function and its arguments.
+When any rank fails or the deadline passes, the pool kills its workers and raises; the next
+``run`` spawns a fresh world (a collective that failed leaves a group unusable).
+
+Functions must be top-level in an importable module (spawned workers re-import it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from steptune.core.dist import abort_group, connect_store, master_store, new_gloo_group
+from steptune.testing.threads import RankFailure
+
+__all__ = ["SpawnPool"]
+
+
+def _worker(rank: int, world_size: int, port: int, prefix: str, group_timeout: float, tasks: Any,
+            results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        group = new_gloo_group(connect_store(port), rank, world_size, prefix=prefix,
+                               timeout=datetime.timedelta(seconds=group_timeout))
+    except BaseException:
+        results.put((-1, rank, False, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args = task
+        try:
+            results.put((task_id, rank, True, fn(rank, group, *args)))
+        except BaseException:
+            results.put((task_id, rank, False, traceback.format_exc()))
+            abort_group(group)
+            return  # this world is broken; the parent respawns
+
+
+class SpawnPool:
+    """``world_size`` spawned ranks; ``run(fn, *args)`` returns ``fn(rank, group, *args)`` by rank."""
+
+    _ids = itertools.count()
+
+    def __init__(self, world_size: int, *, timeout: float = 60.0, group_timeout: float = 30.0) -> None:
+        if not 1 <= world_size <= 8:
+            raise ValueError(f"world_size must be in [1, 8] on a small machine, got {world_size}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.group_timeout = group_timeout
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._store: Any = None
+        self._task_ids = itertools.count()
+        self.num_spawns = 0
+
+    def __enter__(self) -> SpawnPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        self._store = master_store()
+        prefix = f"pool{os.getpid()}-{next(self._ids)}"
+        self._results = self._ctx.Queue()
+        self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            self._ctx.Process(target=_worker, name=f"steptune-rank{r}", daemon=True,
+                              args=(r, self.world_size, self._store.port, prefix, self.group_timeout,
+                                    self._tasks[r], self._results))
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.num_spawns += 1
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5)
+        self._procs, self._tasks, self._results, self._store = [], [], None, None
+
+    def close(self) -> None:
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(5)
+        self._kill()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self._kill()
+            self._start()
+        task_id = next(self._task_ids)
+        for q in self._tasks:
+            q.put((task_id, fn, args))
+        out: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + (timeout or self.timeout)
+        first_error: tuple[int, str] | None = None
+        error_at = 0.0
+        while pending:
+            now = time.monotonic()
+            if now > deadline or (first_error and now - error_at > 5.0):
+                break
+            try:
+                tid, rank, ok, value = self._results.get(timeout=0.1)
+            except queue.Empty:
+                dead = [r for r in pending if not self._procs[r].is_alive()]
+                if dead and first_error is None:
+                    first_error, error_at = (dead[0], f"process exited with code {self._procs[dead[0]].exitcode}"), now
+                continue
+            if tid not in (task_id, -1):
+                continue  # a late reply to an earlier, failed task
+            pending.discard(rank)
+            if ok:
+                out[rank] = value
+            elif first_error is None:
+                first_error, error_at = (rank, value), now
+        if first_error is not None or pending:
+            self._kill()
+            if first_error is not None:
+                raise RankFailure(*first_error)
+            raise TimeoutError(f"ranks {sorted(pending)} of {self.world_size} did not answer within "
+                               f"{timeout or self.timeout:.0f}s (pool killed)")
+        return out
