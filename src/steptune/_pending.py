@@ -17,7 +17,9 @@ def register_pending(sub: Any, *, area: str, system: str, summary: str, issues: 
     )
 
     def run(args: argparse.Namespace) -> int:
-        print(f"steptune {area}: {system} is not built yet (issues {issues}); nothing was run.", file=sys.stderr)
+        print(
+            f"steptune {area}: {system} is not built yet (issues {issues}); nothing was run.", file=sys.stderr
+        )
         return 2
 
     p.set_defaults(func=run)

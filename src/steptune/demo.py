@@ -36,8 +36,11 @@ def run_demo(out_dir: Path) -> Path:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("demo", help="run every area's demo and write a report under runs/demo/",
-                       description="Run the demo of every area that works and write a Markdown report.")
+    p = sub.add_parser(
+        "demo",
+        help="run every area's demo and write a report under runs/demo/",
+        description="Run the demo of every area that works and write a Markdown report.",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default: runs/demo)")
 
     def run(args: argparse.Namespace) -> int:

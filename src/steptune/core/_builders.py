@@ -21,7 +21,9 @@ def _req(cfg: dict[str, Any], key: str) -> Any:
     return cfg[key]
 
 
-def _attention_parts(h: int, num_heads: int, num_kv_heads: int, head_dim: int, *, causal: bool, b: int):
+def _attention_parts(
+    h: int, num_heads: int, num_kv_heads: int, head_dim: int, *, causal: bool, b: int
+) -> tuple[int, float, float, float]:
     """(params, linear F FLOPs/token, quadratic F FLOPs/token^2, saved bytes/token)."""
     q = num_heads * head_dim
     kv = num_kv_heads * head_dim
@@ -31,26 +33,44 @@ def _attention_parts(h: int, num_heads: int, num_kv_heads: int, head_dim: int, *
     return params, 2.0 * params, quad, act
 
 
-def _mla_parts(cfg: dict[str, Any], h: int, *, b: int):
+def _mla_parts(cfg: dict[str, Any], h: int, *, b: int) -> tuple[int, float, float, float]:
     """DeepSeek-V3 multi-head latent attention (training form: latents up-projected)."""
     nh = _req(cfg, "num_attention_heads")
     q_lora, kv_lora = _req(cfg, "q_lora_rank"), _req(cfg, "kv_lora_rank")
     nope, rope, v_dim = _req(cfg, "qk_nope_head_dim"), _req(cfg, "qk_rope_head_dim"), _req(cfg, "v_head_dim")
     qk_dim = nope + rope
-    params = h * q_lora + q_lora * nh * qk_dim + h * (kv_lora + rope) + kv_lora * nh * (nope + v_dim) + nh * v_dim * h
+    params = (
+        h * q_lora
+        + q_lora * nh * qk_dim
+        + h * (kv_lora + rope)
+        + kv_lora * nh * (nope + v_dim)
+        + nh * v_dim * h
+    )
     quad = 2.0 * nh * (qk_dim + v_dim) * 0.5
     act = b * (2 * h + q_lora + kv_lora + rope + nh * qk_dim * 2 + nh * v_dim * 2) + 4 * nh
     return params, 2.0 * params, quad, act
 
 
-def _mlp_parts(h: int, inter: int, *, gated: bool, b: int):
+def _mlp_parts(h: int, inter: int, *, gated: bool, b: int) -> tuple[int, float, float]:
     params = (3 if gated else 2) * h * inter
     act = b * (2 * h + (3 if gated else 2) * inter)
     return params, 2.0 * params, act
 
 
-def _weighted(name: str, kind: LayerKind, *, params: int, active: int, lin_w: float, lin_free: float = 0.0,
-              quad: float = 0.0, act: float, out: float, a2a: float = 0.0, scale: float = 1.0) -> LayerSpec:
+def _weighted(
+    name: str,
+    kind: LayerKind,
+    *,
+    params: int,
+    active: int,
+    lin_w: float,
+    lin_free: float = 0.0,
+    quad: float = 0.0,
+    act: float,
+    out: float,
+    a2a: float = 0.0,
+    scale: float = 1.0,
+) -> LayerSpec:
     """A layer whose ``lin_w`` FLOPs are weight matmuls and ``lin_free``/``quad`` are parameter-free."""
     return LayerSpec(
         name=name,
@@ -78,7 +98,9 @@ def _embedding(h: int, vocab: int, b: int) -> LayerSpec:
 def _head(h: int, vocab: int, b: int) -> LayerSpec:
     p = vocab * h
     # Saved: the normed hidden state and fp32 logits for the cross-entropy backward.
-    return _weighted("head", LayerKind.HEAD, params=p + h, active=p + h, lin_w=2.0 * p, act=b * h + 4 * vocab, out=0.0)
+    return _weighted(
+        "head", LayerKind.HEAD, params=p + h, active=p + h, lin_w=2.0 * p, act=b * h + 4 * vocab, out=0.0
+    )
 
 
 def _dense(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
@@ -91,8 +113,18 @@ def _dense(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
     mp, mlin, mact = _mlp_parts(h, _req(cfg, "intermediate_size"), gated=gated, b=b)
     layers = [_embedding(h, vocab, b)]
     for i in range(_req(cfg, "num_hidden_layers")):
-        layers.append(_weighted(f"layer{i}", LayerKind.DECODER, params=ap + mp, active=ap + mp, lin_w=alin + mlin,
-                                quad=aquad, act=aact + mact, out=b * h))
+        layers.append(
+            _weighted(
+                f"layer{i}",
+                LayerKind.DECODER,
+                params=ap + mp,
+                active=ap + mp,
+                lin_w=alin + mlin,
+                quad=aquad,
+                act=aact + mact,
+                out=b * h,
+            )
+        )
     layers.append(_head(h, vocab, b))
     return layers
 
@@ -103,8 +135,9 @@ def _moe(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
         ap, alin, aquad, aact = _mla_parts(cfg, h, b=b)
     else:
         nh = _req(cfg, "num_attention_heads")
-        ap, alin, aquad, aact = _attention_parts(h, nh, cfg.get("num_key_value_heads", nh),
-                                                 cfg.get("head_dim", h // nh), causal=True, b=b)
+        ap, alin, aquad, aact = _attention_parts(
+            h, nh, cfg.get("num_key_value_heads", nh), cfg.get("head_dim", h // nh), causal=True, b=b
+        )
     num_dense = cfg.get("first_k_dense_replace", 0)
     num_experts, top_k = _req(cfg, "n_routed_experts"), _req(cfg, "num_experts_per_tok")
     num_shared = cfg.get("n_shared_experts", 0)
@@ -119,12 +152,32 @@ def _moe(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
     layers = [_embedding(h, vocab, b)]
     for i in range(_req(cfg, "num_hidden_layers")):
         if i < num_dense:
-            layers.append(_weighted(f"layer{i}", LayerKind.DECODER, params=ap + dp, active=ap + dp,
-                                    lin_w=alin + dlin, quad=aquad, act=aact + dact, out=b * h))
+            layers.append(
+                _weighted(
+                    f"layer{i}",
+                    LayerKind.DECODER,
+                    params=ap + dp,
+                    active=ap + dp,
+                    lin_w=alin + dlin,
+                    quad=aquad,
+                    act=aact + dact,
+                    out=b * h,
+                )
+            )
         else:
-            layers.append(_weighted(f"layer{i}", LayerKind.MOE_DECODER, params=ap + moe_params,
-                                    active=ap + moe_active, lin_w=alin + 2.0 * moe_active, quad=aquad,
-                                    act=aact + moe_act, out=b * h, a2a=a2a))
+            layers.append(
+                _weighted(
+                    f"layer{i}",
+                    LayerKind.MOE_DECODER,
+                    params=ap + moe_params,
+                    active=ap + moe_active,
+                    lin_w=alin + 2.0 * moe_active,
+                    quad=aquad,
+                    act=aact + moe_act,
+                    out=b * h,
+                    a2a=a2a,
+                )
+            )
     layers.append(_head(h, vocab, b))
     return layers
 
@@ -141,30 +194,52 @@ def _mamba(cfg: dict[str, Any], h: int, name: str, b: int) -> LayerSpec:
     # inter-chunk state update and readout. Parameter-free, so B = 2F and W = 0 for this part.
     scan = 2.0 * chunk * ngroups * state + 2.0 * chunk * d_inner + 4.0 * d_inner * state
     act = b * (2 * h + proj + conv_dim + 2 * d_inner)
-    return _weighted(name, LayerKind.MAMBA, params=params, active=params, lin_w=2.0 * (h * proj + d_inner * h),
-                     lin_free=scan, act=act, out=b * h)
+    return _weighted(
+        name,
+        LayerKind.MAMBA,
+        params=params,
+        active=params,
+        lin_w=2.0 * (h * proj + d_inner * h),
+        lin_free=scan,
+        act=act,
+        out=b * h,
+    )
 
 
 def _hybrid(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
     h, vocab = _req(cfg, "hidden_size"), _req(cfg, "vocab_size")
     pattern = _req(cfg, "hybrid_override_pattern")
     nh = _req(cfg, "num_attention_heads")
-    ap, alin, aquad, aact = _attention_parts(h, nh, cfg.get("num_key_value_heads", nh),
-                                             cfg.get("head_dim", h // nh), causal=True, b=b)
+    ap, alin, aquad, aact = _attention_parts(
+        h, nh, cfg.get("num_key_value_heads", nh), cfg.get("head_dim", h // nh), causal=True, b=b
+    )
     mp, mlin, mact = _mlp_parts(h, _req(cfg, "intermediate_size"), gated=cfg.get("mlp_gated", False), b=b)
     if len(pattern) != _req(cfg, "num_hidden_layers"):
-        raise ValueError(f"hybrid_override_pattern has {len(pattern)} entries, num_hidden_layers is "
-                         f"{cfg['num_hidden_layers']}: make them agree")
+        raise ValueError(
+            f"hybrid_override_pattern has {len(pattern)} entries, num_hidden_layers is "
+            f"{cfg['num_hidden_layers']}: make them agree"
+        )
     layers = [_embedding(h, vocab, b)]
     for i, c in enumerate(pattern):
         if c == "M":
             layers.append(_mamba(cfg, h, f"layer{i}", b))
         elif c == "*":
-            layers.append(_weighted(f"layer{i}", LayerKind.ATTENTION, params=ap, active=ap, lin_w=alin,
-                                    quad=aquad, act=aact, out=b * h))
+            layers.append(
+                _weighted(
+                    f"layer{i}",
+                    LayerKind.ATTENTION,
+                    params=ap,
+                    active=ap,
+                    lin_w=alin,
+                    quad=aquad,
+                    act=aact,
+                    out=b * h,
+                )
+            )
         elif c == "-":
-            layers.append(_weighted(f"layer{i}", LayerKind.MLP, params=mp, active=mp, lin_w=mlin, act=mact,
-                                    out=b * h))
+            layers.append(
+                _weighted(f"layer{i}", LayerKind.MLP, params=mp, active=mp, lin_w=mlin, act=mact, out=b * h)
+            )
         else:
             raise ValueError(f"hybrid_override_pattern: unknown layer code {c!r} at {i}; use M, * or -")
     layers.append(_head(h, vocab, b))
@@ -182,15 +257,46 @@ def _vlm(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
     ap, alin, aquad, aact = _attention_parts(hv, nh, nh, hv // nh, causal=False, b=b)
     mp, mlin, mact = _mlp_parts(hv, int(hv * vis.get("mlp_ratio", 4)), gated=False, b=b)
     patch_in = vis.get("in_channels", 3) * vis.get("temporal_patch_size", 2) * vis["patch_size"] ** 2
-    layers = [_weighted("patch_embed", LayerKind.EMBEDDING, params=patch_in * hv, active=patch_in * hv,
-                        lin_w=2.0 * patch_in * hv, act=b * patch_in, out=b * hv, scale=scale)]
+    layers = [
+        _weighted(
+            "patch_embed",
+            LayerKind.EMBEDDING,
+            params=patch_in * hv,
+            active=patch_in * hv,
+            lin_w=2.0 * patch_in * hv,
+            act=b * patch_in,
+            out=b * hv,
+            scale=scale,
+        )
+    ]
     for i in range(_req(vis, "depth")):
-        layers.append(_weighted(f"vit{i}", LayerKind.VISION, params=ap + mp, active=ap + mp, lin_w=alin + mlin,
-                                quad=aquad, act=aact + mact, out=b * hv, scale=scale))
+        layers.append(
+            _weighted(
+                f"vit{i}",
+                LayerKind.VISION,
+                params=ap + mp,
+                active=ap + mp,
+                lin_w=alin + mlin,
+                quad=aquad,
+                act=aact + mact,
+                out=b * hv,
+                scale=scale,
+            )
+        )
     hm = hv * merge * merge
     pp = hm * hm + hm * h
-    layers.append(_weighted("merger", LayerKind.PROJECTOR, params=pp, active=pp, lin_w=2.0 * pp,
-                            act=b * (2 * hm), out=b * h, scale=frac))
+    layers.append(
+        _weighted(
+            "merger",
+            LayerKind.PROJECTOR,
+            params=pp,
+            active=pp,
+            lin_w=2.0 * pp,
+            act=b * (2 * hm),
+            out=b * h,
+            scale=frac,
+        )
+    )
     text_layers = _dense(text, b)
     # The LLM's own token embedding still runs (text tokens); keep it, then the decoder and head.
     return layers + text_layers
@@ -209,14 +315,37 @@ def _dit(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
     params = sp + cross_params + mp + 6 * d  # + adaLN modulation vectors
     act = sact + b * (3 * d) + mact
     patch = cfg.get("in_dim", 16) * 4
-    layers = [_weighted("patch_embed", LayerKind.EMBEDDING, params=patch * d, active=patch * d,
-                        lin_w=2.0 * patch * d, act=b * patch, out=b * d)]
+    layers = [
+        _weighted(
+            "patch_embed",
+            LayerKind.EMBEDDING,
+            params=patch * d,
+            active=patch * d,
+            lin_w=2.0 * patch * d,
+            act=b * patch,
+            out=b * d,
+        )
+    ]
     for i in range(_req(cfg, "num_layers")):
-        layers.append(_weighted(f"block{i}", LayerKind.DIT, params=params, active=params, lin_w=slin + cross_lin,
-                                lin_free=cross_free, quad=squad, act=act, out=b * d))
+        layers.append(
+            _weighted(
+                f"block{i}",
+                LayerKind.DIT,
+                params=params,
+                active=params,
+                lin_w=slin + cross_lin + mlin,
+                lin_free=cross_free,
+                quad=squad,
+                act=act,
+                out=b * d,
+            )
+        )
     out = cfg.get("out_dim", 16) * 4
-    layers.append(_weighted("head", LayerKind.HEAD, params=d * out, active=d * out, lin_w=2.0 * d * out,
-                            act=b * d, out=0.0))
+    layers.append(
+        _weighted(
+            "head", LayerKind.HEAD, params=d * out, active=d * out, lin_w=2.0 * d * out, act=b * d, out=0.0
+        )
+    )
     return layers
 
 
@@ -236,5 +365,12 @@ def build_model(name: str, data: dict[str, Any]) -> ModelSpec:
         hidden, vocab, tied = data["hidden_size"], data["vocab_size"], data.get("tie_word_embeddings", False)
     config = dict(data)
     config["tie_word_embeddings"] = tied
-    return ModelSpec(name=name, layers=tuple(layers), hidden_size=hidden, vocab_size=vocab,
-                     seq_len=int(_req(data, "seq_len")), dtype_bytes=b, config=config)
+    return ModelSpec(
+        name=name,
+        layers=tuple(layers),
+        hidden_size=hidden,
+        vocab_size=vocab,
+        seq_len=int(_req(data, "seq_len")),
+        dtype_bytes=b,
+        config=config,
+    )

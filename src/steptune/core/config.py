@@ -1,11 +1,11 @@
 """Dataclass configs as CLI flags: each field becomes ``--field-name``, its attribute docstring the help.
 
-    @dataclass(kw_only=True, slots=True)
-    class Config:
-        num_gpus: int = 8
-        \"\"\"Ranks in the group.\"\"\"
+@dataclass(kw_only=True, slots=True)
+class Config:
+    num_gpus: int = 8
+    \"\"\"Ranks in the group.\"\"\"
 
-    add_config_args(parser, Config); config = config_from_args(Config, args)
+add_config_args(parser, Config); config = config_from_args(Config, args)
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import textwrap
 from typing import Any, TypeVar, get_type_hints
 
@@ -30,9 +31,14 @@ def field_docs(cls: type) -> dict[str, str]:
         return {}
     docs: dict[str, str] = {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    for prev, node in zip(body, body[1:], strict=False):
-        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name) and isinstance(node, ast.Expr)
-                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+    for prev, node in itertools.pairwise(body):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             docs[prev.target.id] = " ".join(node.value.value.split())
     return docs
 
@@ -55,7 +61,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
         elif typ in (int, float, str):
             parser.add_argument(flag, type=typ, default=default, required=not has_default, help=help_text)
         else:
-            raise TypeError(f"{cls.__name__}.{f.name}: type {typ} has no CLI mapping; use int, float, str or bool")
+            raise TypeError(
+                f"{cls.__name__}.{f.name}: type {typ} has no CLI mapping; use int, float, str or bool"
+            )
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:

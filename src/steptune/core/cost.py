@@ -84,7 +84,9 @@ def _log2_exact(world: int, algo: Algorithm) -> int:
     return log
 
 
-def all_gather_time(nbytes: float, world: int, link: LinkSpec, algo: Algorithm | str = Algorithm.RING) -> float:
+def all_gather_time(
+    nbytes: float, world: int, link: LinkSpec, algo: Algorithm | str = Algorithm.RING
+) -> float:
     _check(world, nbytes)
     if world == 1:
         return 0.0
@@ -104,7 +106,9 @@ def reduce_scatter_time(
     return all_gather_time(nbytes, world, link, algo)
 
 
-def all_reduce_time(nbytes: float, world: int, link: LinkSpec, algo: Algorithm | str = Algorithm.RING) -> float:
+def all_reduce_time(
+    nbytes: float, world: int, link: LinkSpec, algo: Algorithm | str = Algorithm.RING
+) -> float:
     _check(world, nbytes)
     if world == 1:
         return 0.0

@@ -18,16 +18,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# The stubs of torch.distributed do not re-export the store classes: reach them untyped.
+_c10d: Any = dist
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "LOOPBACK",
     "abort_group",
     "connect_store",
     "env_rank",
-    "master_store",
-    "new_gloo_group",
     "irecv",
     "isend",
+    "master_store",
+    "new_gloo_group",
     "print0",
     "recv",
     "send",
@@ -38,18 +41,24 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=30)
 """Never the 30-minute default: a hung peer should fail a test, not stall CI."""
 
 
-def master_store(*, host: str = LOOPBACK, port: int = 0) -> dist.TCPStore:
+def master_store(*, host: str = LOOPBACK, port: int = 0) -> Any:
     """A master ``TCPStore``; ``port=0`` lets the OS pick a free port (read it from ``.port``)."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=DEFAULT_TIMEOUT)
+    return _c10d.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=DEFAULT_TIMEOUT)
 
 
-def connect_store(port: int, *, host: str = LOOPBACK,
-                  timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+def connect_store(port: int, *, host: str = LOOPBACK, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> Any:
+    return _c10d.TCPStore(host, port, is_master=False, timeout=timeout)
 
 
-def new_gloo_group(store: dist.Store, rank: int, world_size: int, *, prefix: str = "pg",
-                   timeout: datetime.timedelta = DEFAULT_TIMEOUT, host: str = LOOPBACK) -> dist.ProcessGroup:
+def new_gloo_group(
+    store: Any,
+    rank: int,
+    world_size: int,
+    *,
+    prefix: str = "pg",
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    host: str = LOOPBACK,
+) -> dist.ProcessGroup:
     """A gloo group bound to ``host`` (loopback by default), namespaced by ``prefix`` in ``store``."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -57,7 +66,7 @@ def new_gloo_group(store: dist.Store, rank: int, world_size: int, *, prefix: str
     opts = gloo._Options()
     opts._timeout = timeout
     opts._devices = [gloo.create_device(hostname=host)]
-    group: dist.ProcessGroup = gloo(dist.PrefixStore(prefix, store), rank, world_size, opts)
+    group: dist.ProcessGroup = gloo(_c10d.PrefixStore(prefix, store), rank, world_size, opts)
     return group
 
 
@@ -80,7 +89,11 @@ def recv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0) -> None:
 
 
 def abort_group(group: Any) -> None:
-    """Close ``group``'s connections now so blocked peers fail fast. Safe to call twice."""
+    """Abort ``group``'s pending work. Safe to call twice.
+
+    On gloo this alone does not close the sockets: drop the last reference to the group too
+    (its destructor closes them), so that peers blocked on this rank fail within milliseconds.
+    """
     for name in ("abort", "shutdown"):
         fn = getattr(group, name, None)
         if fn is not None:
@@ -93,8 +106,11 @@ def abort_group(group: Any) -> None:
 
 def env_rank() -> tuple[int, int, int]:
     """``(rank, local_rank, world_size)`` from torchrun's environment; ``(0, 0, 1)`` outside it."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
-            int(os.environ.get("WORLD_SIZE", 1)))
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+    )
 
 
 def print0(*args: Any, rank: int | None = None, **kwargs: Any) -> None:

@@ -41,19 +41,28 @@ def gantt(spans: Sequence[Span], path: str | Path, *, title: str = "", time_unit
     fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 1.6))
     for s in spans:
         c = s.category or s.stream
-        ax.barh(row_of[(s.rank, s.stream)], s.duration * scale, left=s.start * scale, color=color[c],
-                edgecolor="black", linewidth=0.3)
+        ax.barh(
+            row_of[(s.rank, s.stream)],
+            s.duration * scale,
+            left=s.start * scale,
+            color=color[c],
+            edgecolor="black",
+            linewidth=0.3 if len(spans) <= 80 else 0.0,
+        )
     ax.set_yticks(range(len(rows)), [f"rank {r} {st}" for r, st in rows])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({time_unit})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=color[c]) for c in cats]
-    ax.legend(handles, cats, loc="upper right", fontsize=8, ncol=min(len(cats), 4))
+    ax.legend(
+        handles, cats, loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=8, ncol=min(len(cats), 6)
+    )
     ax.set_title(title)
     return _save(fig, path)
 
 
-def pareto(points: Sequence[tuple[float, float, str]], path: str | Path, *, xlabel: str, ylabel: str,
-           title: str = "") -> Path:
+def pareto(
+    points: Sequence[tuple[float, float, str]], path: str | Path, *, xlabel: str, ylabel: str, title: str = ""
+) -> Path:
     """Scatter of labelled (x, y) points with the lower-left Pareto frontier drawn as a step line."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -74,8 +83,15 @@ def pareto(points: Sequence[tuple[float, float, str]], path: str | Path, *, xlab
     return _save(fig, path)
 
 
-def bars(labels: Sequence[str], values: Sequence[float], path: str | Path, *, ylabel: str, title: str = "",
-         reference: float | None = None) -> Path:
+def bars(
+    labels: Sequence[str],
+    values: Sequence[float],
+    path: str | Path,
+    *,
+    ylabel: str,
+    title: str = "",
+    reference: float | None = None,
+) -> Path:
     """A bar per label; an optional horizontal reference line (e.g. 1.0 for ratios)."""
     if len(labels) != len(values):
         raise ValueError(f"{len(labels)} labels but {len(values)} values")

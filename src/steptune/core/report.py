@@ -29,18 +29,29 @@ class Table:
 
     def add(self, *values: Any) -> None:
         if len(values) != len(self.columns):
-            raise ValueError(f"row has {len(values)} values, table {self.title!r} has {len(self.columns)} columns")
+            raise ValueError(
+                f"row has {len(values)} values, table {self.title!r} has {len(self.columns)} columns"
+            )
         self.rows.append(list(values))
 
     def records(self) -> list[dict[str, Any]]:
         return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
 
     def to_json(self) -> dict[str, Any]:
-        return {"title": self.title, "columns": list(self.columns), "rows": self.records(), "notes": self.notes}
+        return {
+            "title": self.title,
+            "columns": list(self.columns),
+            "rows": self.records(),
+            "notes": self.notes,
+        }
 
     def to_markdown(self) -> str:
-        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |",
-                 "|" + "|".join("---" for _ in self.columns) + "|"]
+        lines = [
+            f"### {self.title}",
+            "",
+            "| " + " | ".join(self.columns) + " |",
+            "|" + "|".join("---" for _ in self.columns) + "|",
+        ]
         lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in self.rows]
         lines += [""] + [f"- {n}" for n in self.notes]
         return "\n".join(lines).rstrip() + "\n"

@@ -192,11 +192,15 @@ def _preset_dir(kind: str) -> Any:
 
 
 def list_model_presets() -> list[str]:
-    return sorted(p.name.removesuffix(".toml") for p in _preset_dir("models").iterdir() if p.name.endswith(".toml"))
+    return sorted(
+        p.name.removesuffix(".toml") for p in _preset_dir("models").iterdir() if p.name.endswith(".toml")
+    )
 
 
 def list_cluster_presets() -> list[str]:
-    return sorted(p.name.removesuffix(".toml") for p in _preset_dir("clusters").iterdir() if p.name.endswith(".toml"))
+    return sorted(
+        p.name.removesuffix(".toml") for p in _preset_dir("clusters").iterdir() if p.name.endswith(".toml")
+    )
 
 
 def _load(kind: str, name: str, known: list[str]) -> dict[str, Any]:

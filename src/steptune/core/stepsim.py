@@ -52,8 +52,10 @@ class FSDPStepResult:
 
 def simulate_fsdp_step(model: ModelSpec, cluster: ClusterSpec, config: FSDPStepConfig) -> FSDPStepResult:
     if config.num_gpus > cluster.num_gpus:
-        raise ValueError(f"num_gpus={config.num_gpus} exceeds {cluster.name}'s {cluster.num_gpus} GPUs; "
-                         f"pick fewer or a cluster preset with more nodes")
+        raise ValueError(
+            f"num_gpus={config.num_gpus} exceeds {cluster.name}'s {cluster.num_gpus} GPUs; "
+            f"pick fewer or a cluster preset with more nodes"
+        )
     if config.prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {config.prefetch}")
     env = Environment()
@@ -87,20 +89,35 @@ def simulate_fsdp_step(model: ModelSpec, cluster: ClusterSpec, config: FSDPStepC
     def all_gathers() -> ProcessGen:
         for i in range(n):  # forward order, at most `prefetch` units ahead of compute
             yield gate(fwd_started, i - config.prefetch - 1)
-            yield from run(network, f"AG {model.layers[i].name}", ctime_coll(Collective.ALL_GATHER,
-                           2 * model.layers[i].params), "comm", "all-gather")
+            yield from run(
+                network,
+                f"AG {model.layers[i].name}",
+                ctime_coll(Collective.ALL_GATHER, 2 * model.layers[i].params),
+                "comm",
+                "all-gather",
+            )
             fwd_ready[i].succeed()
         for i in reversed(range(n)):
             yield gate(bwd_started, i + config.prefetch + 1)
-            yield from run(network, f"AG {model.layers[i].name}", ctime_coll(Collective.ALL_GATHER,
-                           2 * model.layers[i].params), "comm", "all-gather")
+            yield from run(
+                network,
+                f"AG {model.layers[i].name}",
+                ctime_coll(Collective.ALL_GATHER, 2 * model.layers[i].params),
+                "comm",
+                "all-gather",
+            )
             bwd_ready[i].succeed()
 
     def reduce_scatters() -> ProcessGen:
         for i in reversed(range(n)):
             yield grad_ready[i]
-            yield from run(network, f"RS {model.layers[i].name}", ctime_coll(
-                Collective.REDUCE_SCATTER, config.grad_bytes * model.layers[i].params), "comm", "reduce-scatter")
+            yield from run(
+                network,
+                f"RS {model.layers[i].name}",
+                ctime_coll(Collective.REDUCE_SCATTER, config.grad_bytes * model.layers[i].params),
+                "comm",
+                "reduce-scatter",
+            )
 
     def computes() -> ProcessGen:
         for i in range(n):
@@ -110,8 +127,9 @@ def simulate_fsdp_step(model: ModelSpec, cluster: ClusterSpec, config: FSDPStepC
         for i in reversed(range(n)):
             yield bwd_ready[i]
             bwd_started[i].succeed()
-            yield from run(compute, f"B {model.layers[i].name}", ctime(i, (Phase.B, Phase.W)), "compute",
-                           "backward")
+            yield from run(
+                compute, f"B {model.layers[i].name}", ctime(i, (Phase.B, Phase.W)), "compute", "backward"
+            )
             grad_ready[i].succeed()
 
     env.process(all_gathers(), name="all-gather")
@@ -122,5 +140,11 @@ def simulate_fsdp_step(model: ModelSpec, cluster: ClusterSpec, config: FSDPStepC
     comm = sum(s.duration for s in spans if s.stream == "comm")
     flops = model.flops() * seqs
     mfu = flops / (step * dev.peak_flops) if step > 0 else 0.0
-    return FSDPStepResult(step_time=step, compute_time=comp, comm_time=comm, exposed_comm=step - comp, mfu=mfu,
-                          spans=tuple(spans))
+    return FSDPStepResult(
+        step_time=step,
+        compute_time=comp,
+        comm_time=comm,
+        exposed_comm=step - comp,
+        mfu=mfu,
+        spans=tuple(spans),
+    )

@@ -39,12 +39,22 @@ class Trace:
         self.spans: list[Span] = []
         self._rank_names: dict[int, str] = {}
 
-    def add(self, name: str, start: float, duration: float, *, rank: int = 0, stream: str = "compute",
-            category: str = "", **args: Any) -> Span:
+    def add(
+        self,
+        name: str,
+        start: float,
+        duration: float,
+        *,
+        rank: int = 0,
+        stream: str = "compute",
+        category: str = "",
+        **args: Any,
+    ) -> Span:
         if duration < 0:
             raise ValueError(f"span {name!r} has negative duration {duration}")
-        span = Span(name=name, start=start, duration=duration, rank=rank, stream=stream, category=category,
-                    args=args)
+        span = Span(
+            name=name, start=start, duration=duration, rank=rank, stream=stream, category=category, args=args
+        )
         self.spans.append(span)
         return span
 
@@ -56,12 +66,28 @@ class Trace:
         events: list[dict[str, Any]] = []
         for span in sorted(self.spans, key=lambda s: (s.rank, s.start)):
             tid = streams.setdefault((span.rank, span.stream), len(streams))
-            events.append({"name": span.name, "cat": span.category or span.stream, "ph": "X", "pid": span.rank,
-                           "tid": tid, "ts": span.start * 1e6, "dur": span.duration * 1e6, "args": span.args})
+            events.append(
+                {
+                    "name": span.name,
+                    "cat": span.category or span.stream,
+                    "ph": "X",
+                    "pid": span.rank,
+                    "tid": tid,
+                    "ts": span.start * 1e6,
+                    "dur": span.duration * 1e6,
+                    "args": span.args,
+                }
+            )
         meta: list[dict[str, Any]] = []
         for rank in sorted({s.rank for s in self.spans}):
-            meta.append({"name": "process_name", "ph": "M", "pid": rank,
-                         "args": {"name": self._rank_names.get(rank, f"rank {rank}")}})
+            meta.append(
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": rank,
+                    "args": {"name": self._rank_names.get(rank, f"rank {rank}")},
+                }
+            )
         for (rank, stream), tid in streams.items():
             meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": stream}})
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
@@ -85,7 +111,13 @@ def load_trace(path: str | Path) -> Trace:
     trace = Trace()
     for ev in data["traceEvents"]:
         if ev.get("ph") == "X":
-            trace.add(ev["name"], ev["ts"] / 1e6, ev["dur"] / 1e6, rank=ev["pid"],
-                      stream=names.get((ev["pid"], ev["tid"]), str(ev["tid"])), category=ev.get("cat", ""),
-                      **ev.get("args", {}))
+            trace.add(
+                ev["name"],
+                ev["ts"] / 1e6,
+                ev["dur"] / 1e6,
+                rank=ev["pid"],
+                stream=names.get((ev["pid"], ev["tid"]), str(ev["tid"])),
+                category=ev.get("cat", ""),
+                **ev.get("args", {}),
+            )
     return trace

@@ -12,7 +12,10 @@ def register(sub: Any) -> None:
         sub,
         area="memory",
         system="TapeSAC",
-        summary="automated selective activation checkpointing (dispatcher tape, backward-slice replay, memory-aware planner)",
+        summary=(
+            "automated selective activation checkpointing (dispatcher tape, backward-slice "
+            "replay, memory-aware planner)"
+        ),
         issues="#3, #4",
         verbs="plan, pareto, bench",
     )

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from steptune.core.dist import recv, send
 
-__all__ = ["all_reduce_sum", "raise_on", "ring_send_recv", "whoami"]
+__all__ = ["all_reduce_sum", "raise_on", "ring_send_recv", "sleep_on", "whoami"]
 
 
 def whoami(rank: int, group: Any) -> tuple[int, int]:
@@ -47,3 +47,12 @@ def raise_on(rank: int, group: Any, bad_rank: int = 1) -> list[float]:
     if rank == bad_rank:
         raise ValueError(f"injected failure on rank {rank}")
     return all_reduce_sum(rank, group)
+
+
+def sleep_on(rank: int, group: Any, bad_rank: int = 1, seconds: float = 60.0) -> int:
+    """``bad_rank`` hangs (a dead-slow peer); the harness must time out, not wait forever."""
+    import time
+
+    if rank == bad_rank:
+        time.sleep(seconds)
+    return rank

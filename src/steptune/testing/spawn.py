@@ -26,15 +26,21 @@ from steptune.testing.threads import RankFailure
 __all__ = ["SpawnPool"]
 
 
-def _worker(rank: int, world_size: int, port: int, prefix: str, group_timeout: float, tasks: Any,
-            results: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, prefix: str, group_timeout: float, tasks: Any, results: Any
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
     try:
-        group = new_gloo_group(connect_store(port), rank, world_size, prefix=prefix,
-                               timeout=datetime.timedelta(seconds=group_timeout))
+        group = new_gloo_group(
+            connect_store(port),
+            rank,
+            world_size,
+            prefix=prefix,
+            timeout=datetime.timedelta(seconds=group_timeout),
+        )
     except BaseException:
         results.put((-1, rank, False, traceback.format_exc()))
         return
@@ -82,9 +88,20 @@ class SpawnPool:
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            self._ctx.Process(target=_worker, name=f"steptune-rank{r}", daemon=True,
-                              args=(r, self.world_size, self._store.port, prefix, self.group_timeout,
-                                    self._tasks[r], self._results))
+            self._ctx.Process(
+                target=_worker,
+                name=f"steptune-rank{r}",
+                daemon=True,
+                args=(
+                    r,
+                    self.world_size,
+                    self._store.port,
+                    prefix,
+                    self.group_timeout,
+                    self._tasks[r],
+                    self._results,
+                ),
+            )
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -127,7 +144,10 @@ class SpawnPool:
             except queue.Empty:
                 dead = [r for r in pending if not self._procs[r].is_alive()]
                 if dead and first_error is None:
-                    first_error, error_at = (dead[0], f"process exited with code {self._procs[dead[0]].exitcode}"), now
+                    first_error, error_at = (
+                        (dead[0], f"process exited with code {self._procs[dead[0]].exitcode}"),
+                        now,
+                    )
                 continue
             if tid not in (task_id, -1):
                 continue  # a late reply to an earlier, failed task
@@ -140,6 +160,8 @@ class SpawnPool:
             self._kill()
             if first_error is not None:
                 raise RankFailure(*first_error)
-            raise TimeoutError(f"ranks {sorted(pending)} of {self.world_size} did not answer within "
-                               f"{timeout or self.timeout:.0f}s (pool killed)")
+            raise TimeoutError(
+                f"ranks {sorted(pending)} of {self.world_size} did not answer within "
+                f"{timeout or self.timeout:.0f}s (pool killed)"
+            )
         return out

@@ -32,8 +32,13 @@ class RankFailure(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
-def run_threads(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 30.0,
-                group_timeout: float | None = None) -> list[Any]:
+def run_threads(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 30.0,
+    group_timeout: float | None = None,
+) -> list[Any]:
     """Run ``fn(rank, group, *args)`` on ``world_size`` thread ranks; return the results by rank."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -47,8 +52,9 @@ def run_threads(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
 
     def body(rank: int) -> None:
         try:
-            groups[rank] = new_gloo_group(connect_store(store.port), rank, world_size, prefix=prefix,
-                                          timeout=pg_timeout)
+            groups[rank] = new_gloo_group(
+                connect_store(store.port), rank, world_size, prefix=prefix, timeout=pg_timeout
+            )
             results[rank] = fn(rank, groups[rank], *args)
             return
         except BaseException:
@@ -62,7 +68,9 @@ def run_threads(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             abort_group(group)
         del group
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True) for r in range(world_size)]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True) for r in range(world_size)
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout

@@ -1,0 +1,54 @@
+import subprocess
+import sys
+
+import pytest
+
+from steptune.cli import AREAS, main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_help_lists_six_subcommands(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in (*AREAS, "demo"):
+        assert cmd in out
+
+
+@pytest.mark.parametrize("area", [*AREAS, "demo"])
+def test_area_help_works(area, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([area, "--help"])
+    assert info.value.code == 0
+    assert "usage: steptune" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("area", AREAS)
+def test_unbuilt_area_says_so_and_fails(area, capsys):
+    import importlib
+
+    if importlib.import_module(f"steptune.{area}").__all__:
+        pytest.skip(f"{area} is built")
+    assert main([area]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_demo_writes_report(tmp_path):
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "Simulated FSDP step" in report and "SIMULATED" in report
+    for name in (
+        "fsdp_step_llama3.1-70b_64gpu.png",
+        "fsdp_step_llama3.1-70b_64gpu.trace.json",
+        "presets.json",
+    ):
+        assert (tmp_path / "core" / name).stat().st_size > 0
+
+
+def test_python_dash_m_entry():
+    r = subprocess.run(
+        [sys.executable, "-m", "steptune", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and r.stdout.startswith("steptune ")
