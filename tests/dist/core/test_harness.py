@@ -1,0 +1,65 @@
+"""The multi-rank harness itself: thread ranks and a spawn pool on real gloo groups."""
+
+import time
+
+import pytest
+
+from steptune.testing import RankFailure, SpawnPool, run_threads
+from steptune.testing import probes
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(90)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_threads_all_reduce(world):
+    total = sum(range(1, world + 1))
+    assert run_threads(probes.all_reduce_sum, world) == [[float(total)] * 4] * world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_threads_send_recv_ring(world):
+    assert run_threads(probes.ring_send_recv, world) == [float((r - 1) % world) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_threads_failing_rank_fails_fast(world):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="injected failure on rank 1") as info:
+        run_threads(probes.raise_on, world, timeout=30)
+    assert info.value.rank == 1  # the cause, not a peer's "connection closed"
+    assert time.monotonic() - t0 < 3.0  # peers unblock in milliseconds, not at the 30 s timeout
+
+
+def test_threads_hung_rank_times_out():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
+        run_threads(probes.sleep_on, 2, 1, 30.0, timeout=2.0)
+    assert time.monotonic() - t0 < 5.0
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SpawnPool(2, timeout=60) as p:
+        yield p
+
+
+def test_spawn_all_reduce_and_send_recv(pool):
+    assert pool.run(probes.whoami) == [(0, 2), (1, 2)]
+    assert pool.run(probes.all_reduce_sum, 3) == [[3.0] * 3, [3.0] * 3]
+    assert pool.run(probes.ring_send_recv) == [1.0, 0.0]
+
+
+def test_spawn_failing_rank_fails_fast_then_pool_recovers(pool):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="injected failure on rank 1"):
+        pool.run(probes.raise_on)
+    assert time.monotonic() - t0 < 10.0
+    spawns = pool.num_spawns
+    assert pool.run(probes.all_reduce_sum) == [[3.0] * 4, [3.0] * 4]  # a fresh world
+    assert pool.num_spawns == spawns + 1
+
+
+def test_spawn_hung_rank_times_out(pool):
+    with pytest.raises(TimeoutError, match="did not answer"):
+        pool.run(probes.sleep_on, 1, 30.0, timeout=3.0)
+    assert pool.run(probes.whoami) == [(0, 2), (1, 2)]
