@@ -1,0 +1,201 @@
+"""Per-stage costs for the simulator, and the partitions partition-only systems would pick.
+
+``StageCosts`` holds seconds and bytes *per microbatch* for each stage. It is built from a core
+``ModelSpec`` (analytic FLOPs at a fixed efficiency: a simulated input, labelled so) or from
+measured per-layer times. A partition is the number of consecutive model layers per stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from steptune.core.cost import compute_time
+from steptune.core.specs import DeviceSpec, LinkSpec, ModelSpec, Phase
+
+__all__ = [
+    "LayerCosts",
+    "StageCosts",
+    "balanced_partition",
+    "layer_costs",
+    "stage_costs",
+    "uniform_partition",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerCosts:
+    """Per-layer, per-microbatch costs (seconds, bytes)."""
+
+    f: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    act_bytes: tuple[float, ...]
+    """Activation bytes held from F until W (or fused B)."""
+    out_bytes: tuple[float, ...]
+    """Bytes sent to the next stage after this layer (and its gradient back)."""
+    static_bytes: tuple[float, ...]
+    """Parameters, gradients and optimizer state held for the whole step."""
+    names: tuple[str, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.f)
+
+    def total(self, lo: int = 0, hi: int | None = None) -> float:
+        hi = self.num_layers if hi is None else hi
+        return sum(self.f[lo:hi]) + sum(self.i[lo:hi]) + sum(self.w[lo:hi])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageCosts:
+    f: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    act_bytes: tuple[float, ...]
+    out_bytes: tuple[float, ...]
+    static_bytes: tuple[float, ...]
+    link: LinkSpec | None = None
+    """P2P link between devices; None means free communication."""
+    overhead: float = 0.0
+    """Fixed seconds added to every compute action (dispatch, launch)."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.f)
+
+    def comm_time(self, stage: int) -> float:
+        """Seconds to send stage ``stage``'s output (or its gradient) to a neighbour on another device."""
+        if self.link is None:
+            return 0.0
+        return self.link.latency + self.out_bytes[stage] / self.link.bandwidth
+
+
+def layer_costs(
+    model: ModelSpec,
+    device: DeviceSpec,
+    *,
+    microbatch_size: int = 1,
+    efficiency: float = 0.5,
+    seq_len: int | None = None,
+    static_bytes_per_param: float = 16.0,
+) -> LayerCosts:
+    """Analytic per-layer costs of ``model`` on ``device`` (SIMULATED input: FLOPs at ``efficiency``).
+
+    ``static_bytes_per_param`` = 16 is bf16 weights + fp32 master + fp32 grads + two fp32 Adam
+    moments, minus nothing: a stage that holds a layer pays this for every parameter it stores.
+    """
+    s = seq_len or model.seq_len
+    tokens = s * microbatch_size
+
+    def t(flops: float) -> float:
+        return compute_time(flops * microbatch_size, device, efficiency=efficiency)
+
+    layers = model.layers
+    return LayerCosts(
+        f=tuple(t(x.flops(s, Phase.F)) for x in layers),
+        i=tuple(t(x.flops(s, Phase.B)) for x in layers),
+        w=tuple(t(x.flops(s, Phase.W)) for x in layers),
+        act_bytes=tuple(x.activation_bytes_per_token * tokens * x.num_tokens_scale for x in layers),
+        out_bytes=tuple(x.output_bytes_per_token * tokens * x.num_tokens_scale for x in layers),
+        static_bytes=tuple(x.params * static_bytes_per_param for x in layers),
+        names=tuple(x.name for x in layers),
+    )
+
+
+def stage_costs(
+    layers: LayerCosts, partition: Sequence[int], *, link: LinkSpec | None = None, overhead: float = 0.0
+) -> StageCosts:
+    if sum(partition) != layers.num_layers or any(n < 1 for n in partition):
+        raise ValueError(
+            f"partition {tuple(partition)} must cover all {layers.num_layers} layers with >= 1 each"
+        )
+    bounds = [0]
+    for n in partition:
+        bounds.append(bounds[-1] + n)
+    spans = list(itertools.pairwise(bounds))
+    return StageCosts(
+        f=tuple(sum(layers.f[a:b]) for a, b in spans),
+        i=tuple(sum(layers.i[a:b]) for a, b in spans),
+        w=tuple(sum(layers.w[a:b]) for a, b in spans),
+        act_bytes=tuple(sum(layers.act_bytes[a:b]) for a, b in spans),
+        out_bytes=tuple(layers.out_bytes[b - 1] for a, b in spans),
+        static_bytes=tuple(sum(layers.static_bytes[a:b]) for a, b in spans),
+        link=link,
+        overhead=overhead,
+    )
+
+
+def uniform_partition(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """As many layers per stage as possible, the remainder to the first stages (torch/Megatron style)."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
+    q, r = divmod(num_layers, num_stages)
+    return tuple(q + (1 if k < r else 0) for k in range(num_stages))
+
+
+def balanced_partition(
+    weights: Sequence[float], num_stages: int, device_of_stage: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """Contiguous partition minimizing the heaviest stage (or device, when stages share devices).
+
+    With one stage per device this is the exact min-max partition (binary search on the cap
+    with a greedy feasibility check, then exact DP on the final cap); with several stages per
+    device the DP minimizes the heaviest *device*, so it is a heuristic over stage order.
+    """
+    n = len(weights)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} stages")
+    prefix = [0.0]
+    for x in weights:
+        prefix.append(prefix[-1] + x)
+    if device_of_stage is None or len(set(device_of_stage)) == num_stages:
+        # Exact min-max by DP over (stage, end) with O(S * n^2): fine for n <= a few hundred.
+        inf = float("inf")
+        best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+        best[0][0] = 0.0
+        for k in range(1, num_stages + 1):
+            for j in range(k, n - (num_stages - k) + 1):
+                for i in range(k - 1, j):
+                    v = max(best[k - 1][i], prefix[j] - prefix[i])
+                    if v < best[k][j]:
+                        best[k][j], cut[k][j] = v, i
+        sizes, j = [], n
+        for k in range(num_stages, 0, -1):
+            i = cut[k][j]
+            sizes.append(j - i)
+            j = i
+        return tuple(reversed(sizes))
+    return _balanced_by_device(weights, prefix, num_stages, list(device_of_stage))
+
+
+def _balanced_by_device(
+    weights: Sequence[float], prefix: list[float], num_stages: int, devices: list[int]
+) -> tuple[int, ...]:
+    """Greedy refinement: start uniform, move boundary layers while the heaviest device gets lighter."""
+    n = len(weights)
+    sizes = list(uniform_partition(n, num_stages))
+
+    def device_loads(sz: list[int]) -> list[float]:
+        loads = [0.0] * (max(devices) + 1)
+        pos = 0
+        for k, m in enumerate(sz):
+            loads[devices[k]] += prefix[pos + m] - prefix[pos]
+            pos += m
+        return loads
+
+    improved = True
+    while improved:
+        improved = False
+        cur = max(device_loads(sizes))
+        for k in range(num_stages - 1):
+            for delta in (1, -1):
+                a, b = sizes[k] - delta, sizes[k + 1] + delta
+                if a < 1 or b < 1:
+                    continue
+                trial = [*sizes[:k], a, b, *sizes[k + 2 :]]
+                if max(device_loads(trial)) < cur - 1e-15:
+                    sizes, cur, improved = trial, max(device_loads(trial)), True
+    return tuple(sizes)

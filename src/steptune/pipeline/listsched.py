@@ -1,0 +1,176 @@
+"""Bubble-aware list scheduler: builds a per-device order for any partition and placement.
+
+On each device, whenever it can start something, it picks among the actions whose inputs have
+arrived: the backward-input of the oldest microbatch first (it is on the critical path of the
+devices upstream), then a forward if the stage's in-flight limit and the memory cap allow it,
+and a deferred weight-gradient W only to fill time when nothing else is ready (or when the memory
+cap forces activations to be freed). This is zero-bubble's idea generalized to unequal stages.
+
+The order it returns is re-simulated by ``simulate`` (which adds channel contention), so the
+scheduler's own clock is only a heuristic guide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from steptune.pipeline.costs import StageCosts
+from steptune.pipeline.schedule import Action, ActionKind, Schedule
+
+__all__ = ["ListPolicy", "list_schedule"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ListPolicy:
+    extra_inflight: int = 0
+    """Microbatches a stage may run ahead beyond the 1F1B warm-up depth (S - s)."""
+    forward_first: bool = False
+    """Prefer a ready F over a ready I (fills the warm-up faster, holds more memory)."""
+    split_backward: bool = True
+    """Emit I and W separately (W deferred to fill bubbles); False emits fused B."""
+    memory_cap: float | None = None
+    """Bytes per device; an F that would exceed it waits (W's are pulled in to free memory)."""
+
+    def label(self) -> str:
+        return (
+            f"list(+{self.extra_inflight}{',F' if self.forward_first else ''}"
+            f"{',IW' if self.split_backward else ',B'})"
+        )
+
+
+def list_schedule(
+    costs: StageCosts,
+    placement: tuple[int, ...],
+    num_microbatches: int,
+    policy: ListPolicy,
+    *,
+    name: str | None = None,
+    partition: tuple[int, ...] | None = None,
+) -> Schedule:
+    num_stages = len(placement)
+    num_dev = max(placement) + 1
+    last = num_stages - 1
+    mbs = num_microbatches
+    stages_on = [[s for s in range(num_stages) if placement[s] == d] for d in range(num_dev)]
+    static = [sum(costs.static_bytes[s] for s in stages_on[d]) for d in range(num_dev)]
+    mem = list(static)
+    next_f = [0] * num_stages  # next microbatch to forward, per stage
+    next_b = [0] * num_stages  # next microbatch to run backward-input (or fused B), per stage
+    pending_w: list[list[int]] = [[] for _ in range(num_stages)]
+    done_f: dict[tuple[int, int], float] = {}
+    done_b: dict[tuple[int, int], float] = {}
+    dev_free = [0.0] * num_dev
+    orders: list[list[Action]] = [[] for _ in range(num_dev)]
+    limit = [num_stages - s + policy.extra_inflight for s in range(num_stages)]
+    inflight = [0] * num_stages  # F done, W (or B) not yet
+    cap = policy.memory_cap
+    remaining = num_stages * mbs * (3 if policy.split_backward else 2)
+
+    def comm(stage: int, src: int, dst: int) -> float:
+        return costs.comm_time(stage) if placement[src] != placement[dst] else 0.0
+
+    def f_ready(s: int) -> float | None:
+        m = next_f[s]
+        if m >= mbs:
+            return None
+        if s == 0:
+            return 0.0
+        t = done_f.get((s - 1, m))
+        return None if t is None else t + comm(s - 1, s - 1, s)
+
+    def b_ready(s: int) -> float | None:
+        m = next_b[s]
+        if m >= mbs or m >= next_f[s]:
+            return None
+        t_f = done_f[(s, m)]
+        if s == last:
+            return t_f
+        t = done_b.get((s + 1, m))
+        return None if t is None else max(t_f, t + comm(s, s + 1, s))
+
+    while remaining:
+        best: tuple[float, int, Action, float] | None = None  # (start, priority, action, duration)
+        for d in range(num_dev):
+            free = dev_free[d]
+            cands: list[tuple[float, int, Action, float]] = []
+            for s in stages_on[d]:
+                tb = b_ready(s)
+                if tb is not None:
+                    kind = ActionKind.I if policy.split_backward else ActionKind.B
+                    dur = costs.i[s] + (0.0 if policy.split_backward else costs.w[s])
+                    # older microbatches and later stages first: they unblock the most work upstream
+                    cands.append(
+                        (
+                            max(free, tb),
+                            (1 if policy.forward_first else 0) * 4,
+                            Action(s, kind, next_b[s]),
+                            dur,
+                        )
+                    )
+                tf = f_ready(s)
+                if tf is not None and inflight[s] < limit[s]:
+                    fits = cap is None or mem[d] + costs.act_bytes[s] <= cap
+                    if fits:
+                        cands.append(
+                            (
+                                max(free, tf),
+                                (0 if policy.forward_first else 1) * 4 + 1,
+                                Action(s, ActionKind.F, next_f[s]),
+                                costs.f[s],
+                            )
+                        )
+                if pending_w[s]:
+                    cands.append((free, 8, Action(s, ActionKind.W, pending_w[s][0]), costs.w[s]))
+            if not cands:
+                continue
+            # A W only runs if nothing else could start no later than it would finish.
+            cands.sort(key=lambda c: (c[0], c[1], -c[2].stage, c[2].microbatch))
+            first = cands[0]
+            non_w = [c for c in cands if c[2].kind is not ActionKind.W]
+            if first[2].kind is ActionKind.W and non_w:
+                earliest = min(non_w, key=lambda c: (c[0], c[1]))
+                if earliest[0] <= first[0]:
+                    first = earliest
+            elif non_w and first[2].kind is not ActionKind.W:
+                # among actions that can start at the same time, use the priority
+                same = [c for c in cands if c[0] <= first[0] + 1e-12]
+                first = min(same, key=lambda c: (c[1], -c[2].stage, c[2].microbatch))
+            if best is None or (first[0], d) < (best[0], placement[best[2].stage]):
+                best = first
+        if best is None:
+            # Only reachable when the memory cap blocks every forward and nothing can free memory.
+            raise ValueError(
+                f"memory cap {cap:.3g} B is too small for this partition: a forward cannot fit even "
+                f"with every weight gradient done; raise the cap or use more stages"
+            )
+        t0, _, a, dur = best
+        d = placement[a.stage]
+        dev_free[d] = t0 + dur + costs.overhead
+        orders[d].append(a)
+        remaining -= 1
+        s, m = a.stage, a.microbatch
+        if a.kind is ActionKind.F:
+            done_f[(s, m)] = dev_free[d]
+            next_f[s] += 1
+            inflight[s] += 1
+            mem[d] += costs.act_bytes[s]
+        elif a.kind is ActionKind.I:
+            done_b[(s, m)] = dev_free[d]
+            next_b[s] += 1
+            pending_w[s].append(m)
+        else:  # W or fused B
+            if a.kind is ActionKind.B:
+                done_b[(s, m)] = dev_free[d]
+                next_b[s] += 1
+            else:
+                pending_w[s].pop(0)
+            inflight[s] -= 1
+            mem[d] -= costs.act_bytes[s]
+    return Schedule(
+        name=name or policy.label(),
+        num_stages=num_stages,
+        num_microbatches=mbs,
+        placement=placement,
+        orders=tuple(tuple(o) for o in orders),
+        partition=partition,
+    ).validate()

@@ -1,0 +1,246 @@
+"""The bubble-aware co-tuner: partition, placement and schedule, searched together.
+
+1. Seeds: for each placement family (sequential; looped and V with two stages per device) and
+   each partition (layer-uniform; min-max balanced), every anchor schedule and the list scheduler
+   under several policies. The anchors are seeds, so the tuner never returns anything slower
+   than the best anchor that fits the memory cap.
+2. Local search from the best seeds, driven by the simulator's bubble attribution: move a
+   boundary layer off the busiest (least idle) device's stages, regenerate the schedule with the
+   same recipe, keep the move if the simulated makespan drops and memory fits. Stops at a local
+   optimum or when the time budget runs out.
+
+All figures are simulated (see docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from steptune.core.specs import LinkSpec
+from steptune.pipeline import anchors as _anchors
+from steptune.pipeline.costs import LayerCosts, balanced_partition, stage_costs, uniform_partition
+from steptune.pipeline.listsched import ListPolicy, list_schedule
+from steptune.pipeline.schedule import Schedule, ScheduleError
+from steptune.pipeline.simulate import SimResult, simulate
+
+__all__ = ["Candidate", "TuneConfig", "TuneResult", "lower_bound", "placement_for", "tune"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TuneConfig:
+    num_devices: int
+    num_microbatches: int
+    memory_cap: float | None = None
+    """Bytes per device; candidates above it are rejected (anchors above it are reported as such)."""
+    time_budget: float = 30.0
+    """Seconds of local search after the seeds."""
+    link: LinkSpec | None = None
+    overhead: float = 0.0
+    """Seconds added to every compute action."""
+    families: tuple[str, ...] = ("seq", "loop2", "v")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    recipe: str
+    """What generated it, e.g. "1f1b/seq/balanced" or "list(+1,IW)/v/searched"."""
+    schedule: Schedule
+    result: SimResult
+    memory_ok: bool
+
+    @property
+    def makespan(self) -> float:
+        return self.result.makespan
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneResult:
+    best: Candidate
+    anchors: dict[str, Candidate]
+    """Every anchor, by "name/partition", whether or not it fits the memory cap."""
+    lower_bound: float
+    seconds: float
+    num_evaluated: int
+    history: list[tuple[float, float]] = field(default_factory=list)
+    """(seconds since start, best makespan) each time the best improved."""
+
+    @property
+    def best_anchor(self) -> Candidate | None:
+        ok = [c for c in self.anchors.values() if c.memory_ok]
+        return min(ok, key=lambda c: c.makespan) if ok else None
+
+
+def placement_for(family: str, num_devices: int) -> tuple[int, ...]:
+    p = num_devices
+    if family == "seq":
+        return tuple(range(p))
+    if family.startswith("loop"):
+        v = int(family[4:])
+        return tuple(s % p for s in range(p * v))
+    if family == "v":
+        return tuple(range(p)) + tuple(reversed(range(p)))
+    raise ValueError(f"unknown placement family {family!r}; use seq, loop<v> or v")
+
+
+_FAMILY_ANCHORS: dict[str, tuple[str, ...]] = {
+    "seq": ("gpipe", "1f1b", "zb_h1"),
+    "loop2": ("interleaved_1f1b",),
+    "v": ("zb_v", "dualpipe_v"),
+}
+
+_POLICIES = (
+    ListPolicy(extra_inflight=0),
+    ListPolicy(extra_inflight=1),
+    ListPolicy(extra_inflight=2),
+    ListPolicy(extra_inflight=0, forward_first=True),
+    ListPolicy(extra_inflight=0, split_backward=False),
+)
+
+
+def lower_bound(layers: LayerCosts, num_devices: int, num_microbatches: int) -> float:
+    """max(total work / P, heaviest indivisible layer), for all microbatches."""
+    per_layer = [layers.f[k] + layers.i[k] + layers.w[k] for k in range(layers.num_layers)]
+    return num_microbatches * max(sum(per_layer) / num_devices, max(per_layer))
+
+
+def _anchor_fn(name: str, family: str, p: int, m: int) -> Callable[[tuple[int, ...]], Schedule]:
+    def make(partition: tuple[int, ...]) -> Schedule:
+        if name == "interleaved_1f1b":
+            return _anchors.interleaved_1f1b(p, m, num_chunks=int(family[4:]), partition=partition)
+        gen = _anchors.ANCHORS[name]
+        return gen(p, m, partition=partition)
+
+    return make
+
+
+def tune(
+    layers: LayerCosts, config: TuneConfig, *, progress: Callable[[str], None] | None = None
+) -> TuneResult:
+    p, m = config.num_devices, config.num_microbatches
+    if p < 2:
+        raise ValueError(f"pipeline tuning needs at least 2 devices, got {p}")
+    if m < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {m}")
+    t_start = time.perf_counter()
+    weights = [layers.f[k] + layers.i[k] + layers.w[k] for k in range(layers.num_layers)]
+    evaluated = 0
+    cache: dict[tuple[str, tuple[int, ...]], Candidate | None] = {}
+
+    def evaluate(
+        recipe: str, make: Callable[[tuple[int, ...]], Schedule], partition: tuple[int, ...], tag: str
+    ) -> Candidate | None:
+        nonlocal evaluated
+        key = (recipe, partition)
+        if key in cache:
+            return cache[key]
+        try:
+            sched = make(partition)
+            res = simulate(
+                sched,
+                stage_costs(layers, partition, link=config.link, overhead=config.overhead),
+                with_spans=False,
+            )
+        except (ScheduleError, ValueError):
+            cache[key] = None
+            return None
+        evaluated += 1
+        cand = Candidate(
+            recipe=f"{recipe}/{tag}", schedule=sched, result=res, memory_ok=res.memory_ok(config.memory_cap)
+        )
+        cache[key] = cand
+        return cand
+
+    anchors: dict[str, Candidate] = {}
+    seeds: list[tuple[Candidate, str, Callable[[tuple[int, ...]], Schedule], tuple[int, ...], str]] = []
+    for family in config.families:
+        placement = placement_for(family, p)
+        num_stages = len(placement)
+        if num_stages > layers.num_layers:
+            continue
+        parts = {
+            "uniform": uniform_partition(layers.num_layers, num_stages),
+            "balanced": balanced_partition(weights, num_stages, placement),
+        }
+        for pname, part in parts.items():
+            for aname in _FAMILY_ANCHORS.get(family, ()):
+                make = _anchor_fn(aname, family, p, m)
+                cand = evaluate(f"{aname}/{family}", make, part, pname)
+                if cand is not None:
+                    anchors[f"{aname}/{pname}"] = cand
+                    seeds.append((cand, f"{aname}/{family}", make, part, pname))
+            for pol in _POLICIES:
+                pol = ListPolicy(
+                    extra_inflight=pol.extra_inflight,
+                    forward_first=pol.forward_first,
+                    split_backward=pol.split_backward,
+                    memory_cap=config.memory_cap,
+                )
+
+                def make_list(
+                    partition: tuple[int, ...], pol: ListPolicy = pol, placement: tuple[int, ...] = placement
+                ) -> Schedule:
+                    sc = stage_costs(layers, partition, link=config.link, overhead=config.overhead)
+                    return list_schedule(sc, placement, m, pol, partition=partition)
+
+                cand = evaluate(f"{pol.label()}/{family}", make_list, part, pname)
+                if cand is not None:
+                    seeds.append((cand, f"{pol.label()}/{family}", make_list, part, pname))
+    feasible = [s for s in seeds if s[0].memory_ok]
+    if not feasible:
+        raise ValueError(
+            f"no schedule fits memory_cap={config.memory_cap:.4g} B per device; raise the cap, "
+            f"use more devices or fewer microbatches in flight"
+        )
+    feasible.sort(key=lambda s: s[0].makespan)
+    best = feasible[0][0]
+    history = [(time.perf_counter() - t_start, best.makespan)]
+    if progress:
+        progress(f"seeds: {evaluated} evaluated, best {best.recipe} {best.makespan:.4g}")
+
+    # Local search from the best few distinct recipes.
+    deadline = t_start + config.time_budget
+    starts, seen_recipes = [], set()
+    for s in feasible:
+        if s[1] not in seen_recipes:
+            starts.append(s)
+            seen_recipes.add(s[1])
+        if len(starts) == 4:
+            break
+    for cand, recipe, make, part, _ in starts:
+        cur, cur_part = cand, part
+        improved = True
+        while improved and time.perf_counter() < deadline:
+            improved = False
+            placement = cur.schedule.placement
+            busy = cur.result.busy
+            for d in sorted(range(p), key=lambda x: -busy[x]):
+                for s in [s for s in range(len(placement)) if placement[s] == d]:
+                    for nb in (s - 1, s + 1):
+                        if not 0 <= nb < len(cur_part) or cur_part[s] <= 1:
+                            continue
+                        trial = list(cur_part)
+                        trial[s] -= 1
+                        trial[nb] += 1
+                        nxt = evaluate(recipe, make, tuple(trial), "searched")
+                        if nxt is not None and nxt.memory_ok and nxt.makespan < cur.makespan * (1 - 1e-9):
+                            cur, cur_part, improved = nxt, tuple(trial), True
+                            break
+                    if improved or time.perf_counter() > deadline:
+                        break
+                if improved or time.perf_counter() > deadline:
+                    break
+        if cur.makespan < best.makespan:
+            best = cur
+            history.append((time.perf_counter() - t_start, best.makespan))
+            if progress:
+                progress(f"search: {best.recipe} {best.makespan:.4g}")
+    return TuneResult(
+        best=best,
+        anchors=anchors,
+        lower_bound=lower_bound(layers, p, m),
+        seconds=time.perf_counter() - t_start,
+        num_evaluated=evaluated,
+        history=history,
+    )

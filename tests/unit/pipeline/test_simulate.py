@@ -1,0 +1,110 @@
+"""The pipeline simulator against closed forms, plus deadlock, memory and speed checks."""
+
+import time
+
+import pytest
+
+from steptune.core.specs import LinkSpec
+from steptune.pipeline.anchors import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
+from steptune.pipeline.costs import StageCosts
+from steptune.pipeline.schedule import Action, Schedule, ScheduleError
+from steptune.pipeline.simulate import simulate
+
+
+def equal_costs(num_stages, f=1.0, i=1.0, w=1.0, act=1.0, link=None, static=0.0):
+    n = num_stages
+    return StageCosts(
+        f=(f,) * n,
+        i=(i,) * n,
+        w=(w,) * n,
+        act_bytes=(act,) * n,
+        out_bytes=(1.0,) * n,
+        static_bytes=(static,) * n,
+        link=link,
+    )
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 32), (3, 7)])
+def test_1f1b_bubble_closed_form(p, m):
+    r = simulate(one_f_one_b(p, m), equal_costs(p, f=1.0, i=1.0, w=1.0))
+    # fused B = I + W = 2; per microbatch 3 units; (m + p - 1) slots of (F + B)
+    assert r.makespan == pytest.approx((m + p - 1) * 3.0)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_gpipe_same_time_more_memory(p, m):
+    c = equal_costs(p, act=10.0, static=5.0)
+    g, o = simulate(gpipe(p, m), c), simulate(one_f_one_b(p, m), c)
+    assert g.makespan == pytest.approx(o.makespan)
+    assert g.peak_memory[0] == pytest.approx(5.0 + 10.0 * m)  # every microbatch in flight
+    assert o.peak_memory[0] == pytest.approx(5.0 + 10.0 * p)  # at most p in flight on device 0
+    assert o.peak_memory[p - 1] == pytest.approx(5.0 + 10.0)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (4, 2, 16)])
+def test_interleaved_bubble_closed_form(p, v, m):
+    s = p * v
+    c = equal_costs(s, f=1.0 / v, i=1.0 / v, w=1.0 / v)  # the same model cut into v chunks per device
+    r = simulate(interleaved_1f1b(p, m, num_chunks=v), c)
+    ideal = 3.0 * m
+    assert (r.makespan - ideal) / ideal == pytest.approx((p - 1) / (v * m))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12), (8, 16)])
+def test_zb_h1_closed_form(p, m):
+    # With F = I = W the ZB-H1 bubble is (p-1)(F + I - W) = (p-1) units: a third of 1F1B's.
+    r = simulate(zb_h1(p, m), equal_costs(p))
+    assert r.makespan == pytest.approx(3.0 * m + (p - 1) * 1.0)
+    o = simulate(one_f_one_b(p, m), equal_costs(p))
+    assert max(r.peak_memory) <= max(o.peak_memory) + 1e-9  # same activation bound as 1F1B
+
+
+def test_zero_cost_comm_limit_and_comm_delays():
+    p, m = 4, 8
+    base = simulate(one_f_one_b(p, m), equal_costs(p))
+    free = simulate(one_f_one_b(p, m), equal_costs(p, link=LinkSpec(name="x", bandwidth=1e30, latency=0.0)))
+    assert free.makespan == pytest.approx(base.makespan)
+    slow = simulate(one_f_one_b(p, m), equal_costs(p, link=LinkSpec(name="x", bandwidth=1e30, latency=0.25)))
+    # the first forward and the last backward each cross p-1 links
+    assert slow.makespan >= base.makespan + 2 * (p - 1) * 0.25 - 1e-9
+    assert any(b.cause.endswith("via comm") for b in slow.bubbles)
+
+
+def test_bubble_attribution_accounts_for_all_idle_time():
+    p, m = 4, 8
+    costs = StageCosts(
+        f=(1.0, 1.0, 1.0, 3.0),
+        i=(1.0,) * 4,
+        w=(1.0,) * 4,
+        act_bytes=(1.0,) * 4,
+        out_bytes=(1.0,) * 4,
+        static_bytes=(0.0,) * 4,
+    )
+    r = simulate(one_f_one_b(p, m), costs)
+    for d in range(p):
+        assert r.bubble_by_device()[d] == pytest.approx(r.idle(d))
+    # device 0 waits on the slow last stage: its bubbles name backward dependencies
+    assert any("B" in b.cause for b in r.bubbles if b.device == 0)
+
+
+def test_cyclic_order_is_a_clear_error():
+    bad = Schedule(
+        name="bad",
+        num_stages=2,
+        num_microbatches=1,
+        placement=(0, 1),
+        orders=((Action.parse("0B0"), Action.parse("0F0")), (Action.parse("1F0"), Action.parse("1B0"))),
+    ).validate()
+    with pytest.raises(ScheduleError, match=r"deadlocks.*device 0 at 0B0 waits for 0F0"):
+        simulate(bad, equal_costs(2))
+
+
+def test_thousands_of_nodes_in_milliseconds():
+    sched = interleaved_1f1b(16, 64, num_chunks=2)
+    c = equal_costs(32)
+    n = sum(len(o) for o in sched.orders)
+    assert n >= 4000
+    t0 = time.perf_counter()
+    simulate(sched, c, with_spans=False)
+    assert time.perf_counter() - t0 < 0.5
