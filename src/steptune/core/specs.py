@@ -211,11 +211,23 @@ def _load(kind: str, name: str, known: list[str]) -> dict[str, Any]:
     return data
 
 
-def model_preset(name: str, *, seq_len: int | None = None) -> ModelSpec:
-    """A ``ModelSpec`` from a preset under ``core/presets/models`` (e.g. ``"llama3.1-8b"``)."""
+def model_preset(
+    name: str, *, seq_len: int | None = None, overrides: dict[str, Any] | None = None
+) -> ModelSpec:
+    """A ``ModelSpec`` from a preset under ``core/presets/models`` (e.g. ``"llama3.1-8b"``).
+
+    ``overrides`` replaces config numbers before building (e.g. ``{"num_hidden_layers": 16}``);
+    the spec's name records them.
+    """
     from steptune.core._builders import build_model
 
     data = _load("models", name, list_model_presets())
+    if overrides:
+        unknown = sorted(set(overrides) - set(data))
+        if unknown:
+            raise ValueError(f"overrides {unknown} are not keys of preset {name!r}; known: {sorted(data)}")
+        data = {**data, **overrides}
+        name = name + "(" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) + ")"
     spec = build_model(name, data)
     return spec.with_seq_len(seq_len) if seq_len else spec
 

@@ -12,13 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from steptune.core.cost import compute_time
-from steptune.core.specs import DeviceSpec, LinkSpec, ModelSpec, Phase
+from steptune.core.specs import DeviceSpec, LayerSpec, LinkSpec, ModelSpec, Phase
 
 __all__ = [
     "LayerCosts",
     "StageCosts",
     "balanced_partition",
     "layer_costs",
+    "split_layer",
     "stage_costs",
     "uniform_partition",
 ]
@@ -80,26 +81,41 @@ def layer_costs(
     efficiency: float = 0.5,
     seq_len: int | None = None,
     static_bytes_per_param: float = 16.0,
+    expert_parallel: int = 1,
+    a2a_link: LinkSpec | None = None,
 ) -> LayerCosts:
     """Analytic per-layer costs of ``model`` on ``device`` (SIMULATED input: FLOPs at ``efficiency``).
 
-    ``static_bytes_per_param`` = 16 is bf16 weights + fp32 master + fp32 grads + two fp32 Adam
-    moments, minus nothing: a stage that holds a layer pays this for every parameter it stores.
+    ``static_bytes_per_param``: 16 = bf16 weights + fp32 master + fp32 grads + two fp32 Adam
+    moments; with ZeRO-1 over a data-parallel group of ``dp`` use ``2 + 4 + 12 / dp``.
+    MoE layers: experts not touched by a token are sharded over ``expert_parallel`` ranks
+    (stored = active + (total - active) / EP), and with ``a2a_link`` the dispatch + combine
+    all-to-all is charged to F and again to I (its backward), not overlapped with compute.
     """
+    if expert_parallel < 1:
+        raise ValueError(f"expert_parallel must be >= 1, got {expert_parallel}")
     s = seq_len or model.seq_len
     tokens = s * microbatch_size
 
     def t(flops: float) -> float:
         return compute_time(flops * microbatch_size, device, efficiency=efficiency)
 
+    def a2a(x: LayerSpec) -> float:
+        if a2a_link is None or x.all_to_all_bytes_per_token == 0:
+            return 0.0
+        return 2 * a2a_link.latency + x.all_to_all_bytes_per_token * tokens / a2a_link.bandwidth
+
+    def stored(x: LayerSpec) -> float:
+        return x.active_params + (x.params - x.active_params) / expert_parallel
+
     layers = model.layers
     return LayerCosts(
-        f=tuple(t(x.flops(s, Phase.F)) for x in layers),
-        i=tuple(t(x.flops(s, Phase.B)) for x in layers),
+        f=tuple(t(x.flops(s, Phase.F)) + a2a(x) for x in layers),
+        i=tuple(t(x.flops(s, Phase.B)) + a2a(x) for x in layers),
         w=tuple(t(x.flops(s, Phase.W)) for x in layers),
         act_bytes=tuple(x.activation_bytes_per_token * tokens * x.num_tokens_scale for x in layers),
         out_bytes=tuple(x.output_bytes_per_token * tokens * x.num_tokens_scale for x in layers),
-        static_bytes=tuple(x.params * static_bytes_per_param for x in layers),
+        static_bytes=tuple(stored(x) * static_bytes_per_param for x in layers),
         names=tuple(x.name for x in layers),
     )
 
@@ -199,3 +215,38 @@ def _balanced_by_device(
                 if max(device_loads(trial)) < cur - 1e-15:
                     sizes, cur, improved = trial, max(device_loads(trial)), True
     return tuple(sizes)
+
+
+def split_layer(
+    layers: LayerCosts, index: int, num_parts: int, *, carry_bytes: float | None = None
+) -> LayerCosts:
+    """Split layer ``index`` into ``num_parts`` consecutive units of equal cost (a vocab-sharded head).
+
+    A head split this way is a chain of vocabulary shards computing cross-entropy with an online
+    softmax: each shard passes the hidden state plus the running max, sum and target logit to the
+    next (``carry_bytes``, default: the previous layer's output), and backward passes the global
+    log-sum-exp and the partial input gradient back. Compute, activations and parameters split
+    evenly; only the last part's output is the layer's own output.
+    """
+    if num_parts < 1:
+        raise ValueError(f"num_parts must be >= 1, got {num_parts}")
+    if num_parts == 1:
+        return layers
+    if not 0 <= index < layers.num_layers:
+        raise ValueError(f"layer index {index} outside 0..{layers.num_layers - 1}")
+    carry = carry_bytes if carry_bytes is not None else (layers.out_bytes[index - 1] if index > 0 else 0.0)
+
+    def rep(values: tuple[float, ...], parts: list[float]) -> tuple[float, ...]:
+        return values[:index] + tuple(parts) + values[index + 1 :]
+
+    k = num_parts
+    names = layers.names or tuple(f"layer{j}" for j in range(layers.num_layers))
+    return LayerCosts(
+        f=rep(layers.f, [layers.f[index] / k] * k),
+        i=rep(layers.i, [layers.i[index] / k] * k),
+        w=rep(layers.w, [layers.w[index] / k] * k),
+        act_bytes=rep(layers.act_bytes, [layers.act_bytes[index] / k] * k),
+        out_bytes=rep(layers.out_bytes, [carry] * (k - 1) + [layers.out_bytes[index]]),
+        static_bytes=rep(layers.static_bytes, [layers.static_bytes[index] / k] * k),
+        names=names[:index] + tuple(f"{names[index]}[{j}/{k}]" for j in range(k)) + names[index + 1 :],
+    )

@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from steptune.core.specs import LinkSpec
 from steptune.pipeline import anchors as _anchors
-from steptune.pipeline.costs import LayerCosts, balanced_partition, stage_costs, uniform_partition
+from steptune.pipeline.costs import (
+    LayerCosts,
+    balanced_partition,
+    split_layer,
+    stage_costs,
+    uniform_partition,
+)
 from steptune.pipeline.listsched import ListPolicy, list_schedule
 from steptune.pipeline.schedule import Schedule, ScheduleError
 from steptune.pipeline.simulate import SimResult, simulate
@@ -40,6 +46,9 @@ class TuneConfig:
     overhead: float = 0.0
     """Seconds added to every compute action."""
     families: tuple[str, ...] = ("seq", "loop2", "v")
+    """Placement families to search: seq (one stage per device), loop<v> (v stages, looped), v (V shape)."""
+    split_head: bool = True
+    """Allow splitting a heavy LM head into vocabulary shards chained with an online softmax."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,100 +124,122 @@ def _anchor_fn(name: str, family: str, p: int, m: int) -> Callable[[tuple[int, .
     return make
 
 
+def _head_splits(layers: LayerCosts, num_devices: int) -> list[int]:
+    """Head split factors worth trying: only when the last unit is heavy against a device's share."""
+    per_layer = [layers.f[k] + layers.i[k] + layers.w[k] for k in range(layers.num_layers)]
+    share = sum(per_layer) / num_devices
+    if per_layer[-1] < 0.5 * share:
+        return [1]
+    return [k for k in (1, 2, 4, 8) if k <= num_devices]
+
+
+Maker = Callable[[tuple[int, ...]], Schedule]
+
+
 def tune(
     layers: LayerCosts, config: TuneConfig, *, progress: Callable[[str], None] | None = None
 ) -> TuneResult:
+    """Search partition x placement x schedule (and head splits) for the lowest simulated makespan."""
     p, m = config.num_devices, config.num_microbatches
     if p < 2:
         raise ValueError(f"pipeline tuning needs at least 2 devices, got {p}")
     if m < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {m}")
     t_start = time.perf_counter()
-    weights = [layers.f[k] + layers.i[k] + layers.w[k] for k in range(layers.num_layers)]
     evaluated = 0
-    cache: dict[tuple[str, tuple[int, ...]], Candidate | None] = {}
+    cache: dict[tuple[str, int, tuple[int, ...]], Candidate | None] = {}
 
     def evaluate(
-        recipe: str, make: Callable[[tuple[int, ...]], Schedule], partition: tuple[int, ...], tag: str
+        units: LayerCosts, split: int, recipe: str, make: Maker, partition: tuple[int, ...], tag: str
     ) -> Candidate | None:
         nonlocal evaluated
-        key = (recipe, partition)
+        key = (recipe, split, partition)
         if key in cache:
             return cache[key]
         try:
             sched = make(partition)
             res = simulate(
                 sched,
-                stage_costs(layers, partition, link=config.link, overhead=config.overhead),
+                stage_costs(units, partition, link=config.link, overhead=config.overhead),
                 with_spans=False,
             )
         except (ScheduleError, ValueError):
             cache[key] = None
             return None
         evaluated += 1
+        head = f"/head{split}" if split > 1 else ""
+        sched = replace(sched, name=f"{recipe}/{tag}{head}", meta={**sched.meta, "head_split": split})
         cand = Candidate(
-            recipe=f"{recipe}/{tag}", schedule=sched, result=res, memory_ok=res.memory_ok(config.memory_cap)
+            recipe=f"{recipe}/{tag}{head}",
+            schedule=sched,
+            result=res,
+            memory_ok=res.memory_ok(config.memory_cap),
         )
         cache[key] = cand
         return cand
 
     anchors: dict[str, Candidate] = {}
-    seeds: list[tuple[Candidate, str, Callable[[tuple[int, ...]], Schedule], tuple[int, ...], str]] = []
-    for family in config.families:
-        placement = placement_for(family, p)
-        num_stages = len(placement)
-        if num_stages > layers.num_layers:
-            continue
-        parts = {
-            "uniform": uniform_partition(layers.num_layers, num_stages),
-            "balanced": balanced_partition(weights, num_stages, placement),
-        }
-        for pname, part in parts.items():
-            for aname in _FAMILY_ANCHORS.get(family, ()):
-                make = _anchor_fn(aname, family, p, m)
-                cand = evaluate(f"{aname}/{family}", make, part, pname)
-                if cand is not None:
-                    anchors[f"{aname}/{pname}"] = cand
-                    seeds.append((cand, f"{aname}/{family}", make, part, pname))
-            for pol in _POLICIES:
-                pol = ListPolicy(
-                    extra_inflight=pol.extra_inflight,
-                    forward_first=pol.forward_first,
-                    split_backward=pol.split_backward,
-                    memory_cap=config.memory_cap,
-                )
+    seeds: list[tuple[Candidate, str, Maker, tuple[int, ...], LayerCosts, int]] = []
+    splits = _head_splits(layers, p) if config.split_head else [1]
+    for split in splits:
+        units = split_layer(layers, layers.num_layers - 1, split)
+        weights = [units.f[k] + units.i[k] + units.w[k] for k in range(units.num_layers)]
+        for family in config.families:
+            placement = placement_for(family, p)
+            num_stages = len(placement)
+            if num_stages > units.num_layers:
+                continue
+            parts = {
+                "uniform": uniform_partition(units.num_layers, num_stages),
+                "balanced": balanced_partition(weights, num_stages, placement),
+            }
+            for pname, part in parts.items():
+                if split == 1:  # anchors run the model as it is: none of those systems splits the head
+                    for aname in _FAMILY_ANCHORS.get(family, ()):
+                        make = _anchor_fn(aname, family, p, m)
+                        cand = evaluate(units, split, f"{aname}/{family}", make, part, pname)
+                        if cand is not None:
+                            anchors[f"{aname}/{pname}"] = cand
+                            seeds.append((cand, f"{aname}/{family}", make, part, units, split))
+                for base in _POLICIES:
+                    pol = replace(base, memory_cap=config.memory_cap)
 
-                def make_list(
-                    partition: tuple[int, ...], pol: ListPolicy = pol, placement: tuple[int, ...] = placement
-                ) -> Schedule:
-                    sc = stage_costs(layers, partition, link=config.link, overhead=config.overhead)
-                    return list_schedule(sc, placement, m, pol, partition=partition)
+                    def make_list(
+                        partition: tuple[int, ...],
+                        pol: ListPolicy = pol,
+                        placement: tuple[int, ...] = placement,
+                        units: LayerCosts = units,
+                    ) -> Schedule:
+                        sc = stage_costs(units, partition, link=config.link, overhead=config.overhead)
+                        return list_schedule(sc, placement, m, pol, partition=partition)
 
-                cand = evaluate(f"{pol.label()}/{family}", make_list, part, pname)
-                if cand is not None:
-                    seeds.append((cand, f"{pol.label()}/{family}", make_list, part, pname))
-    feasible = [s for s in seeds if s[0].memory_ok]
+                    cand = evaluate(units, split, f"{pol.label()}/{family}", make_list, part, pname)
+                    if cand is not None:
+                        seeds.append((cand, f"{pol.label()}/{family}", make_list, part, units, split))
+    feasible = [sd for sd in seeds if sd[0].memory_ok]
     if not feasible:
+        cap = "none" if config.memory_cap is None else f"{config.memory_cap:.4g} B"
         raise ValueError(
-            f"no schedule fits memory_cap={config.memory_cap:.4g} B per device; raise the cap, "
-            f"use more devices or fewer microbatches in flight"
+            f"no schedule fits memory_cap={cap} per device; raise the cap, use more devices, "
+            "or fewer microbatches"
         )
-    feasible.sort(key=lambda s: s[0].makespan)
+    feasible.sort(key=lambda sd: sd[0].makespan)
     best = feasible[0][0]
     history = [(time.perf_counter() - t_start, best.makespan)]
     if progress:
         progress(f"seeds: {evaluated} evaluated, best {best.recipe} {best.makespan:.4g}")
 
-    # Local search from the best few distinct recipes.
+    # Local search from the best few distinct recipes, moving layers off the busiest device.
     deadline = t_start + config.time_budget
-    starts, seen_recipes = [], set()
-    for s in feasible:
-        if s[1] not in seen_recipes:
-            starts.append(s)
-            seen_recipes.add(s[1])
-        if len(starts) == 4:
+    starts = []
+    seen: set[tuple[str, int]] = set()
+    for sd in feasible:
+        if (sd[1], sd[5]) not in seen:
+            starts.append(sd)
+            seen.add((sd[1], sd[5]))
+        if len(starts) == 6:
             break
-    for cand, recipe, make, part, _ in starts:
+    for cand, recipe, make, part, units, split in starts:
         cur, cur_part = cand, part
         improved = True
         while improved and time.perf_counter() < deadline:
@@ -216,14 +247,14 @@ def tune(
             placement = cur.schedule.placement
             busy = cur.result.busy
             for d in sorted(range(p), key=lambda x: -busy[x]):
-                for s in [s for s in range(len(placement)) if placement[s] == d]:
-                    for nb in (s - 1, s + 1):
-                        if not 0 <= nb < len(cur_part) or cur_part[s] <= 1:
+                for st in [s for s in range(len(placement)) if placement[s] == d]:
+                    for nb in (st - 1, st + 1):
+                        if not 0 <= nb < len(cur_part) or cur_part[st] <= 1:
                             continue
                         trial = list(cur_part)
-                        trial[s] -= 1
+                        trial[st] -= 1
                         trial[nb] += 1
-                        nxt = evaluate(recipe, make, tuple(trial), "searched")
+                        nxt = evaluate(units, split, recipe, make, tuple(trial), "searched")
                         if nxt is not None and nxt.memory_ok and nxt.makespan < cur.makespan * (1 - 1e-9):
                             cur, cur_part, improved = nxt, tuple(trial), True
                             break
@@ -236,10 +267,11 @@ def tune(
             history.append((time.perf_counter() - t_start, best.makespan))
             if progress:
                 progress(f"search: {best.recipe} {best.makespan:.4g}")
+    finest = split_layer(layers, layers.num_layers - 1, max(splits))
     return TuneResult(
         best=best,
         anchors=anchors,
-        lower_bound=lower_bound(layers, p, m),
+        lower_bound=lower_bound(finest, p, m),
         seconds=time.perf_counter() - t_start,
         num_evaluated=evaluated,
         history=history,
