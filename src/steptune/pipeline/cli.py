@@ -1,18 +1,194 @@
-"""`steptune pipeline` verbs."""
+"""`steptune pipeline` verbs: tune, simulate, bench."""
 
 from __future__ import annotations
 
+import argparse
+import sys
+from pathlib import Path
 from typing import Any
 
-from steptune._pending import register_pending
+__all__ = ["register"]
+
+
+def _costs_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--memory-cap",
+        type=float,
+        default=None,
+        help="bytes per device (default: the cluster device's memory)",
+    )
+    p.add_argument("--cluster", default="dgx-h100", help="cluster preset for device speed, memory and links")
+    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s matmuls reach")
+
+
+def _model_costs(args: argparse.Namespace, model: str) -> tuple[Any, float, Any]:
+    from steptune.core.specs import cluster_preset, model_preset
+    from steptune.pipeline.bench import DATA_PARALLEL, EXPERT_PARALLEL
+    from steptune.pipeline.costs import layer_costs
+
+    cluster = cluster_preset(args.cluster)
+    layers = layer_costs(
+        model_preset(model),
+        cluster.device,
+        efficiency=args.efficiency,
+        static_bytes_per_param=2 + 4 + 12 / DATA_PARALLEL,
+        expert_parallel=EXPERT_PARALLEL,
+        a2a_link=cluster.intra,
+    )
+    cap = args.memory_cap if args.memory_cap is not None else cluster.device.memory_bytes
+    return layers, cap, cluster.inter
+
+
+def _write_outputs(out: Path, sched: Any, result: Any, title: str) -> list[Path]:
+    from steptune.core.plot import gantt
+
+    out.mkdir(parents=True, exist_ok=True)
+    return [
+        sched.save(out / "schedule.csv"),
+        sched.save(out / "schedule.json"),
+        result.trace().write(out / "trace.json"),
+        gantt(result.spans, out / "gantt.png", title=title),
+    ]
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from steptune.core.report import Table
+    from steptune.pipeline.costs import split_layer, stage_costs
+    from steptune.pipeline.simulate import simulate
+    from steptune.pipeline.tune import TuneConfig, tune
+
+    console = Console(stderr=True)
+    layers, cap, link = _model_costs(args, args.model)
+    cfg = TuneConfig(
+        num_devices=args.devices,
+        num_microbatches=args.microbatches,
+        memory_cap=cap,
+        link=link,
+        time_budget=args.time_budget,
+    )
+    with console.status("tuning ...") as status:
+        res = tune(layers, cfg, progress=lambda msg: status.update(f"tuning: {msg}"))
+    table = Table(
+        title=f"{args.model}, P={args.devices}, M={args.microbatches} (SIMULATED, seconds per step)",
+        columns=["schedule", "makespan", "vs tuned", "bubble %", "peak GB", "fits cap"],
+    )
+    best = res.best
+    for name, c in sorted(res.anchors.items(), key=lambda kv: kv[1].makespan):
+        table.add(
+            name,
+            c.makespan,
+            c.makespan / best.makespan,
+            100 * c.result.bubble_fraction,
+            max(c.result.peak_memory) / 1e9,
+            c.memory_ok,
+        )
+    table.add(
+        f"TUNED {best.recipe}",
+        best.makespan,
+        1.0,
+        100 * best.result.bubble_fraction,
+        max(best.result.peak_memory) / 1e9,
+        best.memory_ok,
+    )
+    table.notes += [
+        f"lower bound max(work/P, heaviest unit): {res.lower_bound:.4g} s; tuner {res.seconds:.1f} s, "
+        f"{res.num_evaluated} schedules simulated",
+        "assumptions: docs/pipeline.md",
+    ]
+    table.print()
+    units = split_layer(layers, layers.num_layers - 1, int(best.schedule.meta.get("head_split", 1)))
+    assert best.schedule.partition is not None
+    full = simulate(best.schedule, stage_costs(units, best.schedule.partition, link=link))
+    paths = _write_outputs(args.out, best.schedule, full, f"tuned: {best.recipe}")
+    paths += list(table.write(args.out / "comparison"))
+    print("wrote: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from steptune.core.report import Table
+    from steptune.pipeline.costs import StageCosts, split_layer, stage_costs, uniform_partition
+    from steptune.pipeline.schedule import Schedule
+    from steptune.pipeline.simulate import simulate
+
+    sched = Schedule.load(args.schedule)
+    if args.model:
+        layers, cap, link = _model_costs(args, args.model)
+        layers = split_layer(layers, layers.num_layers - 1, int(sched.meta.get("head_split", 1)))
+        part = sched.partition or uniform_partition(layers.num_layers, sched.num_stages)
+        costs = stage_costs(layers, part, link=link)
+    else:  # unit costs: F = I = W = 1, free communication
+        n, cap = sched.num_stages, args.memory_cap
+        costs = StageCosts(
+            f=(1.0,) * n,
+            i=(1.0,) * n,
+            w=(1.0,) * n,
+            act_bytes=(1.0,) * n,
+            out_bytes=(0.0,) * n,
+            static_bytes=(0.0,) * n,
+        )
+    res = simulate(sched, costs)
+    table = Table(
+        title=f"{sched.name}: {sched.num_devices} devices, {sched.num_stages} stages, "
+        f"{sched.num_microbatches} microbatches",
+        columns=["device", "busy", "idle", "peak memory"],
+    )
+    for d in range(sched.num_devices):
+        table.add(d, res.busy[d], res.idle(d), res.peak_memory[d])
+    table.notes.append(
+        f"makespan {res.makespan:.6g}, bubble fraction {res.bubble_fraction:.3f}, "
+        f"memory within cap: {res.memory_ok(cap)}" + ("" if args.model else " (unit costs)")
+    )
+    table.print()
+    paths = _write_outputs(args.out, sched, res, f"{sched.name}")
+    print("wrote: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from steptune.pipeline.bench import run_bench, suite, write_bench
+
+    result = run_bench(
+        suite(args.suite),
+        time_budget=args.time_budget,
+        progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
+    paths = write_bench(result, args.json)
+    print("wrote: " + ", ".join(str(p) for p in paths))
+    return 0
 
 
 def register(sub: Any) -> None:
-    register_pending(
-        sub,
-        area="pipeline",
-        system="OctoPipe",
-        summary="pipeline simulator, bubble-aware partition/placement/schedule tuner, executor",
-        issues="#5, #6",
-        verbs="simulate, tune, plot, bench",
+    p = sub.add_parser(
+        "pipeline",
+        help="OctoPipe: pipeline simulator, bubble-aware co-tuner, anchor schedules",
+        description="OctoPipe: simulate pipeline schedules and co-tune partition, placement and "
+        "schedule for heterogeneous models. All times are simulated (docs/pipeline.md).",
     )
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    t = verbs.add_parser("tune", help="co-tune a model preset and compare with every anchor")
+    t.add_argument("--model", required=True, help="model preset, e.g. gemma-2b")
+    t.add_argument("--devices", type=int, required=True, help="pipeline devices P")
+    t.add_argument("--microbatches", type=int, required=True, help="microbatches per step M")
+    t.add_argument("--time-budget", type=float, default=20.0, help="seconds of local search (default 20)")
+    t.add_argument("--out", type=Path, default=Path("runs/pipeline/tune"), help="output folder")
+    _costs_args(t)
+    t.set_defaults(func=_tune)
+
+    s = verbs.add_parser("simulate", help="simulate a schedule file (.csv as torch writes it, or .json)")
+    s.add_argument("--schedule", type=Path, required=True)
+    s.add_argument("--model", default=None, help="model preset for costs (default: unit costs F=I=W=1)")
+    s.add_argument("--out", type=Path, default=Path("runs/pipeline/simulate"), help="output folder")
+    _costs_args(s)
+    s.set_defaults(func=_simulate)
+
+    b = verbs.add_parser(
+        "bench", help="tuner vs every anchor on the benchmark suite; writes JSON + table + PNG"
+    )
+    b.add_argument("--suite", choices=("quick", "full"), default="quick")
+    b.add_argument("--json", type=Path, default=Path("runs/pipeline/bench.json"))
+    b.add_argument("--time-budget", type=float, default=20.0, help="local-search seconds per config")
+    b.set_defaults(func=_bench)

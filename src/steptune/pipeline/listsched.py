@@ -23,7 +23,8 @@ __all__ = ["ListPolicy", "list_schedule"]
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ListPolicy:
     extra_inflight: int = 0
-    """Microbatches a stage may run ahead beyond the 1F1B warm-up depth (S - s)."""
+    """Microbatches a stage may run ahead beyond the 1F1B warm-up depth (S - s before its I) and beyond
+    ZB-H1's bound (S before its W)."""
     forward_first: bool = False
     """Prefer a ready F over a ready I (fills the warm-up faster, holds more memory)."""
     split_backward: bool = True
@@ -61,7 +62,10 @@ def list_schedule(
     done_b: dict[tuple[int, int], float] = {}
     dev_free = [0.0] * num_dev
     orders: list[list[Action]] = [[] for _ in range(num_dev)]
-    limit = [num_stages - s + policy.extra_inflight for s in range(num_stages)]
+    # 1F1B's warm-up depth bounds F-to-I; ZB-H1's bound (S) limits F-to-W, so W's can be deferred.
+    limit_fi = [num_stages - s + policy.extra_inflight for s in range(num_stages)]
+    limit_fw = [num_stages + policy.extra_inflight] * num_stages
+    inflight_fi = [0] * num_stages  # F done, I (or B) not yet
     inflight = [0] * num_stages  # F done, W (or B) not yet
     cap = policy.memory_cap
     remaining = num_stages * mbs * (3 if policy.split_backward else 2)
@@ -108,7 +112,7 @@ def list_schedule(
                         )
                     )
                 tf = f_ready(s)
-                if tf is not None and inflight[s] < limit[s]:
+                if tf is not None and inflight_fi[s] < limit_fi[s] and inflight[s] < limit_fw[s]:
                     fits = cap is None or mem[d] + costs.act_bytes[s] <= cap
                     if fits:
                         cands.append(
@@ -153,15 +157,18 @@ def list_schedule(
             done_f[(s, m)] = dev_free[d]
             next_f[s] += 1
             inflight[s] += 1
+            inflight_fi[s] += 1
             mem[d] += costs.act_bytes[s]
         elif a.kind is ActionKind.I:
             done_b[(s, m)] = dev_free[d]
             next_b[s] += 1
+            inflight_fi[s] -= 1
             pending_w[s].append(m)
         else:  # W or fused B
             if a.kind is ActionKind.B:
                 done_b[(s, m)] = dev_free[d]
                 next_b[s] += 1
+                inflight_fi[s] -= 1
             else:
                 pending_w[s].pop(0)
             inflight[s] -= 1

@@ -1,0 +1,89 @@
+import json
+
+import pytest
+
+from steptune.cli import main
+from steptune.pipeline.anchors import zb_h1
+from steptune.pipeline.bench import run_bench, suite
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_tune_writes_schedule_trace_and_gantt(tmp_path, capsys):
+    out = tmp_path / "t"
+    assert (
+        main(
+            [
+                "pipeline",
+                "tune",
+                "--model",
+                "gemma-2b",
+                "--devices",
+                "4",
+                "--microbatches",
+                "8",
+                "--time-budget",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "TUNED" in printed and "zb_h1/balanced" in printed
+    for name in ("schedule.csv", "schedule.json", "trace.json", "gantt.png", "comparison.json"):
+        assert (out / name).stat().st_size > 0
+    # the written schedule simulates again, with the model's costs
+    assert (
+        main(
+            [
+                "pipeline",
+                "simulate",
+                "--schedule",
+                str(out / "schedule.json"),
+                "--model",
+                "gemma-2b",
+                "--out",
+                str(tmp_path / "s"),
+            ]
+        )
+        == 0
+    )
+    assert "makespan" in capsys.readouterr().out
+
+
+def test_simulate_a_torch_csv_with_unit_costs(tmp_path, capsys):
+    path = zb_h1(4, 8).save(tmp_path / "zb.csv")
+    assert main(["pipeline", "simulate", "--schedule", str(path), "--out", str(tmp_path / "o")]) == 0
+    assert "makespan 27" in capsys.readouterr().out  # 3 M + (P - 1) with F = I = W = 1
+
+
+def test_simulate_rejects_a_malformed_schedule(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0X1\n")
+    assert main(["pipeline", "simulate", "--schedule", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "bad action '0X1'" in capsys.readouterr().err
+
+
+def test_quick_bench_json_shape(tmp_path):
+    result = run_bench(suite("quick")[:2], time_budget=1.0)
+    row = result["rows"][0]
+    for key in (
+        "config",
+        "heterogeneous",
+        "num_devices",
+        "num_microbatches",
+        "anchors",
+        "best_anchor",
+        "tuned",
+        "lower_bound",
+        "speedup_vs_best_anchor",
+        "tuner_seconds",
+        "memory_ok",
+    ):
+        assert key in row
+    assert row["speedup_vs_best_anchor"] >= 1.0 - 1e-9
+    assert row["tuned"] >= row["lower_bound"]
+    assert result["geomean_speedup_heterogeneous"] >= 1.0
+    json.dumps(result)
