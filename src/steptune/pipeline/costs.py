@@ -190,31 +190,44 @@ def balanced_partition(
 def _balanced_by_device(
     weights: Sequence[float], prefix: list[float], num_stages: int, devices: list[int]
 ) -> tuple[int, ...]:
-    """Greedy refinement: start uniform, move boundary layers while the heaviest device gets lighter."""
-    n = len(weights)
-    sizes = list(uniform_partition(n, num_stages))
+    """Hill-climb stage boundaries to minimize (heaviest device, sum of squared device loads).
 
-    def device_loads(sz: list[int]) -> list[float]:
-        loads = [0.0] * (max(devices) + 1)
+    Starts from both the uniform split and the exact stage-balanced split; a move takes 1 or 2
+    layers from one stage and gives them to any other, shifting every boundary in between.
+    """
+    n = len(weights)
+    num_dev = max(devices) + 1
+
+    def score(sz: list[int]) -> tuple[float, float]:
+        loads = [0.0] * num_dev
         pos = 0
         for k, m in enumerate(sz):
             loads[devices[k]] += prefix[pos + m] - prefix[pos]
             pos += m
-        return loads
+        return max(loads), sum(x * x for x in loads)
 
-    improved = True
-    while improved:
-        improved = False
-        cur = max(device_loads(sizes))
-        for k in range(num_stages - 1):
-            for delta in (1, -1):
-                a, b = sizes[k] - delta, sizes[k + 1] + delta
-                if a < 1 or b < 1:
-                    continue
-                trial = [*sizes[:k], a, b, *sizes[k + 2 :]]
-                if max(device_loads(trial)) < cur - 1e-15:
-                    sizes, cur, improved = trial, max(device_loads(trial)), True
-    return tuple(sizes)
+    best_sizes: list[int] | None = None
+    best_score = (float("inf"), float("inf"))
+    for start in (list(uniform_partition(n, num_stages)), list(balanced_partition(weights, num_stages))):
+        sizes, cur = start, score(start)
+        improved = True
+        while improved:
+            improved = False
+            # Move size from stage i to stage j: every layer in between shifts by delta.
+            for i, j in itertools.combinations(range(num_stages), 2):
+                for delta in (1, -1, 2, -2):
+                    if sizes[i] - delta < 1 or sizes[j] + delta < 1:
+                        continue
+                    trial = list(sizes)
+                    trial[i] -= delta
+                    trial[j] += delta
+                    sc = score(trial)
+                    if sc < cur:
+                        sizes, cur, improved = trial, sc, True
+        if cur < best_score:
+            best_sizes, best_score = sizes, cur
+    assert best_sizes is not None
+    return tuple(best_sizes)
 
 
 def split_layer(

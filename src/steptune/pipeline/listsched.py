@@ -31,12 +31,24 @@ class ListPolicy:
     """Emit I and W separately (W deferred to fill bubbles); False emits fused B."""
     memory_cap: float | None = None
     """Bytes per device; an F that would exceed it waits (W's are pulled in to free memory)."""
+    stage_extra: tuple[int, ...] | None = None
+    """Per-stage override of ``extra_inflight`` (the tuner's randomized multi-start sets these)."""
+    stage_forward_first: tuple[bool, ...] | None = None
+    """Per-stage override of ``forward_first``."""
+    tag: str = ""
+    """Appended to the label (e.g. the multi-start seed)."""
 
     def label(self) -> str:
         return (
             f"list(+{self.extra_inflight}{',F' if self.forward_first else ''}"
-            f"{',IW' if self.split_backward else ',B'})"
+            f"{',IW' if self.split_backward else ',B'}{',' + self.tag if self.tag else ''})"
         )
+
+    def extra(self, stage: int) -> int:
+        return self.stage_extra[stage] if self.stage_extra is not None else self.extra_inflight
+
+    def f_first(self, stage: int) -> bool:
+        return self.stage_forward_first[stage] if self.stage_forward_first is not None else self.forward_first
 
 
 def list_schedule(
@@ -63,8 +75,8 @@ def list_schedule(
     dev_free = [0.0] * num_dev
     orders: list[list[Action]] = [[] for _ in range(num_dev)]
     # 1F1B's warm-up depth bounds F-to-I; ZB-H1's bound (S) limits F-to-W, so W's can be deferred.
-    limit_fi = [num_stages - s + policy.extra_inflight for s in range(num_stages)]
-    limit_fw = [num_stages + policy.extra_inflight] * num_stages
+    limit_fi = [num_stages - s + policy.extra(s) for s in range(num_stages)]
+    limit_fw = [num_stages + policy.extra(s) for s in range(num_stages)]
     inflight_fi = [0] * num_stages  # F done, I (or B) not yet
     inflight = [0] * num_stages  # F done, W (or B) not yet
     cap = policy.memory_cap
@@ -106,7 +118,7 @@ def list_schedule(
                     cands.append(
                         (
                             max(free, tb),
-                            (1 if policy.forward_first else 0) * 4,
+                            (1 if policy.f_first(s) else 0) * 4,
                             Action(s, kind, next_b[s]),
                             dur,
                         )
@@ -118,7 +130,7 @@ def list_schedule(
                         cands.append(
                             (
                                 max(free, tf),
-                                (0 if policy.forward_first else 1) * 4 + 1,
+                                (0 if policy.f_first(s) else 1) * 4 + 1,
                                 Action(s, ActionKind.F, next_f[s]),
                                 costs.f[s],
                             )

@@ -14,6 +14,7 @@ All figures are simulated (see docs/pipeline.md).
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -47,6 +48,8 @@ class TuneConfig:
     """Seconds added to every compute action."""
     families: tuple[str, ...] = ("seq", "loop2", "v")
     """Placement families to search: seq (one stage per device), loop<v> (v stages, looped), v (V shape)."""
+    seed: int = 0
+    """Seed of the randomized multi-start (the search is deterministic for a seed, up to the time budget)."""
     split_head: bool = True
     """Allow splitting a heavy LM head into vocabulary shards chained with an online softmax."""
 
@@ -122,6 +125,15 @@ def _anchor_fn(name: str, family: str, p: int, m: int) -> Callable[[tuple[int, .
         return gen(p, m, partition=partition)
 
     return make
+
+
+def _family_of(placement: tuple[int, ...], num_devices: int) -> str:
+    for fam in ("seq", "v", "loop2", "loop3", "loop4"):
+        if len(placement) == (1 if fam == "seq" else 2 if fam == "v" else int(fam[4:])) * num_devices and (
+            placement_for(fam, num_devices) == placement
+        ):
+            return fam
+    return "custom"
 
 
 def _head_splits(layers: LayerCosts, num_devices: int) -> list[int]:
@@ -229,8 +241,55 @@ def tune(
     if progress:
         progress(f"seeds: {evaluated} evaluated, best {best.recipe} {best.makespan:.4g}")
 
-    # Local search from the best few distinct recipes, moving layers off the busiest device.
     deadline = t_start + config.time_budget
+    # Randomized multi-start: per-stage list-scheduler policies around the best seeds' partitions,
+    # for up to half the budget.
+    rng = random.Random(config.seed)
+    random_deadline = t_start + config.time_budget / 2
+    bases = []
+    seen_bases: set[tuple[tuple[int, ...], tuple[int, ...], int]] = set()
+    for sd in feasible:
+        key = (sd[0].schedule.placement, sd[3], sd[5])
+        if key not in seen_bases:
+            seen_bases.add(key)
+            bases.append(sd)
+        if len(bases) == 4:
+            break
+    trial_no = 0
+    while bases and time.perf_counter() < random_deadline:
+        cand0, _, _, part, units, split = bases[trial_no % len(bases)]
+        trial_no += 1
+        placement = cand0.schedule.placement
+        ns = len(placement)
+        pol = ListPolicy(
+            stage_extra=tuple(rng.choice((0, 0, 1, 2)) for _ in range(ns)),
+            stage_forward_first=tuple(rng.random() < 0.3 for _ in range(ns)),
+            memory_cap=config.memory_cap,
+            tag=f"r{trial_no}",
+        )
+
+        def make_rand(
+            partition: tuple[int, ...],
+            pol: ListPolicy = pol,
+            placement: tuple[int, ...] = placement,
+            units: LayerCosts = units,
+        ) -> Schedule:
+            sc = stage_costs(units, partition, link=config.link, overhead=config.overhead)
+            return list_schedule(sc, placement, m, pol, partition=partition)
+
+        cand = evaluate(units, split, f"{pol.label()}/{_family_of(placement, p)}", make_rand, part, "random")
+        if cand is not None and cand.memory_ok:
+            feasible.append(
+                (cand, f"{pol.label()}/{_family_of(placement, p)}", make_rand, part, units, split)
+            )
+            if cand.makespan < best.makespan:
+                best = cand
+                history.append((time.perf_counter() - t_start, best.makespan))
+                if progress:
+                    progress(f"multi-start: {best.recipe} {best.makespan:.4g}")
+    feasible.sort(key=lambda sd: sd[0].makespan)
+
+    # Local search from the best few distinct recipes, moving layers off the busiest device.
     starts = []
     seen: set[tuple[str, int]] = set()
     for sd in feasible:
