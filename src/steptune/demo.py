@@ -14,9 +14,10 @@ def run_demo(out_dir: Path) -> Path:
     from rich.console import Console
 
     from steptune.core.demo import run_core_demo
+    from steptune.pipeline.demo import run_pipeline_demo
 
     console = Console()
-    demos = [("core", run_core_demo)]  # areas append theirs here as they start to work
+    demos = [("core", run_core_demo), ("pipeline", run_pipeline_demo)]  # areas add theirs as they work
     sections = ["# steptune demo", "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}.", ""]
     for name, fn in demos:
         t0 = time.perf_counter()
