@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from steptune.core.dist import recv, send
 
-__all__ = ["all_reduce_sum", "raise_on", "ring_send_recv", "sleep_on", "whoami"]
+__all__ = ["all_reduce_sum", "raise_on", "registered_ring", "ring_send_recv", "sleep_on", "whoami"]
 
 
 def whoami(rank: int, group: Any) -> tuple[int, int]:
@@ -56,3 +56,16 @@ def sleep_on(rank: int, group: Any, bad_rank: int = 1, seconds: float = 60.0) ->
     if rank == bad_rank:
         time.sleep(seconds)
     return rank
+
+
+def registered_ring(rank: int, group: Any) -> float:
+    """P2P through torch.distributed, which needs a registered group (SpawnPool(default_group=True))."""
+    world = group.size()
+    got = torch.zeros(1)
+    ops = [
+        dist.P2POp(dist.isend, torch.tensor([float(rank)]), (rank + 1) % world, group),
+        dist.P2POp(dist.irecv, got, (rank - 1) % world, group),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return float(got.item())

@@ -27,20 +27,32 @@ __all__ = ["SpawnPool"]
 
 
 def _worker(
-    rank: int, world_size: int, port: int, prefix: str, group_timeout: float, tasks: Any, results: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    prefix: str,
+    group_timeout: float,
+    tasks: Any,
+    results: Any,
+    default_group: bool = False,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
     try:
-        group = new_gloo_group(
-            connect_store(port),
-            rank,
-            world_size,
-            prefix=prefix,
-            timeout=datetime.timedelta(seconds=group_timeout),
-        )
+        timeout = datetime.timedelta(seconds=group_timeout)
+        if default_group:
+            # For code that needs torch's registered default group (torch.distributed.pipelining maps
+            # group ranks through it): one process per rank, loopback only.
+            import torch.distributed as dist
+
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            store = dist.PrefixStore(prefix, connect_store(port))  # type: ignore[attr-defined]
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+            group: Any = dist.group.WORLD
+        else:
+            group = new_gloo_group(connect_store(port), rank, world_size, prefix=prefix, timeout=timeout)
     except BaseException:
         results.put((-1, rank, False, traceback.format_exc()))
         return
@@ -62,12 +74,21 @@ class SpawnPool:
 
     _ids = itertools.count()
 
-    def __init__(self, world_size: int, *, timeout: float = 60.0, group_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 60.0,
+        group_timeout: float = 30.0,
+        default_group: bool = False,
+    ) -> None:
         if not 1 <= world_size <= 8:
             raise ValueError(f"world_size must be in [1, 8] on a small machine, got {world_size}")
         self.world_size = world_size
         self.timeout = timeout
         self.group_timeout = group_timeout
+        self.default_group = default_group
+        """Workers call ``init_process_group`` and get ``group.WORLD`` (for torch APIs that need it)."""
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
@@ -100,6 +121,7 @@ class SpawnPool:
                     self.group_timeout,
                     self._tasks[r],
                     self._results,
+                    self.default_group,
                 ),
             )
             for r in range(self.world_size)

@@ -63,3 +63,8 @@ def test_spawn_hung_rank_times_out(pool):
     with pytest.raises(TimeoutError, match="did not answer"):
         pool.run(probes.sleep_on, 1, 30.0, timeout=3.0)
     assert pool.run(probes.whoami) == [(0, 2), (1, 2)]
+
+
+def test_spawn_default_group_registers_with_torch():
+    with SpawnPool(2, timeout=60, default_group=True) as p:
+        assert p.run(probes.registered_ring) == [1.0, 0.0]
