@@ -120,7 +120,7 @@ class Schedule:
                 if has - {ActionKind.F} not in ({ActionKind.B}, {ActionKind.I, ActionKind.W}):
                     raise ScheduleError(
                         f"stage {s} microbatch {m} needs exactly one backward: either {s}B{m} "
-                        f"or both {s}I{m} and {s}W{m}; found {sorted(has)}"
+                        f"or both {s}I{m} and {s}W{m}; found {sorted(k.value for k in has)}"
                     )
         return self
 

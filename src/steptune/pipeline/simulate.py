@@ -86,6 +86,22 @@ def _duration(costs: StageCosts, a: Action) -> float:
     return base + costs.overhead
 
 
+def _cycle(waits_on: dict[int, tuple[Action, Action]], place: tuple[int, ...]) -> str:
+    """Follow "device waits for an action on device ..." until a device repeats: the cycle."""
+    if not waits_on:
+        return "no device can start"
+    d, path = min(waits_on), []
+    seen: list[int] = []
+    while d in waits_on and d not in seen:
+        seen.append(d)
+        head, need = waits_on[d]
+        path.append(f"device {d} at {head} needs {need} (device {place[need.stage]})")
+        d = place[need.stage]
+    if d in seen:
+        return "cycle: " + " -> ".join(path[seen.index(d) :]) + f" -> device {d}"
+    return "stuck: " + " -> ".join(path)
+
+
 def simulate(schedule: Schedule, costs: StageCosts, *, with_spans: bool = True) -> SimResult:
     """Simulate ``schedule`` with per-stage ``costs``; see the module docstring for the model."""
     if costs.num_stages != schedule.num_stages:
@@ -186,13 +202,14 @@ def simulate(schedule: Schedule, costs: StageCosts, *, with_spans: bool = True) 
                 remaining -= 1
                 progressed = True
         if not progressed:
-            waits = []
+            waits, waits_on = [], {}
             for d in range(num_dev):
                 if heads[d] < len(schedule.orders[d]):
                     a = schedule.orders[d][heads[d]]
-                    missing = [str(p) for p in deps(a) if p not in end]
-                    waits.append(f"device {d} at {a} waits for {', '.join(missing)}")
-            raise ScheduleError("schedule deadlocks (cyclic order): " + "; ".join(waits))
+                    missing = [p for p in deps(a) if p not in end]
+                    waits.append(f"device {d} at {a} waits for {', '.join(map(str, missing))}")
+                    waits_on[d] = (a, missing[0])
+            raise ScheduleError(f"schedule deadlocks: {_cycle(waits_on, place)}; " + "; ".join(waits))
     makespan = max(dev_free) if dev_free else 0.0
     for d in range(num_dev):
         if makespan - dev_free[d] > _EPS:

@@ -42,7 +42,8 @@ class TuneConfig:
     memory_cap: float | None = None
     """Bytes per device; candidates above it are rejected (anchors above it are reported as such)."""
     time_budget: float = 30.0
-    """Seconds of local search after the seeds."""
+    """Seconds for the whole search: list-scheduler seeds stop at 50% (anchors always run),
+    randomized multi-start at 70%, local search at 100%."""
     link: LinkSpec | None = None
     overhead: float = 0.0
     """Seconds added to every compute action."""
@@ -193,41 +194,64 @@ def tune(
     anchors: dict[str, Candidate] = {}
     seeds: list[tuple[Candidate, str, Maker, tuple[int, ...], LayerCosts, int]] = []
     splits = _head_splits(layers, p) if config.split_head else [1]
+    seed_deadline = t_start + 0.5 * config.time_budget
+    combos = []  # (split, units, family, placement, partition name, partition)
     for split in splits:
         units = split_layer(layers, layers.num_layers - 1, split)
         weights = [units.f[k] + units.i[k] + units.w[k] for k in range(units.num_layers)]
         for family in config.families:
             placement = placement_for(family, p)
-            num_stages = len(placement)
-            if num_stages > units.num_layers:
+            if len(placement) > units.num_layers:
                 continue
-            parts = {
-                "uniform": uniform_partition(units.num_layers, num_stages),
-                "balanced": balanced_partition(weights, num_stages, placement),
-            }
-            for pname, part in parts.items():
-                if split == 1:  # anchors run the model as it is: none of those systems splits the head
-                    for aname in _FAMILY_ANCHORS.get(family, ()):
-                        make = _anchor_fn(aname, family, p, m)
-                        cand = evaluate(units, split, f"{aname}/{family}", make, part, pname)
-                        if cand is not None:
-                            anchors[f"{aname}/{pname}"] = cand
-                            seeds.append((cand, f"{aname}/{family}", make, part, units, split))
-                for base in _POLICIES:
-                    pol = replace(base, memory_cap=config.memory_cap)
+            combos.append(
+                (
+                    split,
+                    units,
+                    family,
+                    placement,
+                    "uniform",
+                    uniform_partition(units.num_layers, len(placement)),
+                )
+            )
+            combos.append(
+                (
+                    split,
+                    units,
+                    family,
+                    placement,
+                    "balanced",
+                    balanced_partition(weights, len(placement), placement),
+                )
+            )
+    # Phase 1: every anchor on the unsplit model (none of those systems splits the head).
+    for split, units, family, _, pname, part in combos:
+        if split != 1:
+            continue
+        for aname in _FAMILY_ANCHORS.get(family, ()):
+            make = _anchor_fn(aname, family, p, m)
+            cand = evaluate(units, split, f"{aname}/{family}", make, part, pname)
+            if cand is not None:
+                anchors[f"{aname}/{pname}"] = cand
+                seeds.append((cand, f"{aname}/{family}", make, part, units, split))
+    # Phase 2: list-scheduler policies, breadth first over the combinations, until half the budget.
+    for base in _POLICIES:
+        if time.perf_counter() > seed_deadline and base is not _POLICIES[0]:
+            break
+        pol = replace(base, memory_cap=config.memory_cap)
+        for split, units, family, placement, pname, part in combos:
 
-                    def make_list(
-                        partition: tuple[int, ...],
-                        pol: ListPolicy = pol,
-                        placement: tuple[int, ...] = placement,
-                        units: LayerCosts = units,
-                    ) -> Schedule:
-                        sc = stage_costs(units, partition, link=config.link, overhead=config.overhead)
-                        return list_schedule(sc, placement, m, pol, partition=partition)
+            def make_list(
+                partition: tuple[int, ...],
+                pol: ListPolicy = pol,
+                placement: tuple[int, ...] = placement,
+                units: LayerCosts = units,
+            ) -> Schedule:
+                sc = stage_costs(units, partition, link=config.link, overhead=config.overhead)
+                return list_schedule(sc, placement, m, pol, partition=partition)
 
-                    cand = evaluate(units, split, f"{pol.label()}/{family}", make_list, part, pname)
-                    if cand is not None:
-                        seeds.append((cand, f"{pol.label()}/{family}", make_list, part, units, split))
+            cand = evaluate(units, split, f"{pol.label()}/{family}", make_list, part, pname)
+            if cand is not None:
+                seeds.append((cand, f"{pol.label()}/{family}", make_list, part, units, split))
     feasible = [sd for sd in seeds if sd[0].memory_ok]
     if not feasible:
         cap = "none" if config.memory_cap is None else f"{config.memory_cap:.4g} B"
@@ -245,7 +269,7 @@ def tune(
     # Randomized multi-start: per-stage list-scheduler policies around the best seeds' partitions,
     # for up to half the budget.
     rng = random.Random(config.seed)
-    random_deadline = t_start + config.time_budget / 2
+    random_deadline = t_start + 0.7 * config.time_budget
     bases = []
     seen_bases: set[tuple[tuple[int, ...], tuple[int, ...], int]] = set()
     for sd in feasible:

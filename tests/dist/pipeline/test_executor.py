@@ -1,0 +1,229 @@
+"""The unified executor on real gloo groups (thread ranks): exact gradients, fuzzing, refusals, watchdog."""
+
+import random
+import time
+
+import pytest
+import torch
+
+from steptune.pipeline import anchors
+from steptune.pipeline.costs import LayerCosts, StageCosts
+from steptune.pipeline.executor import ExecutorConfig, ExecutorTimeout, PipelineExecutor, check_schedule
+from steptune.pipeline.fuzz import invalid_schedules, random_schedule
+from steptune.pipeline.listsched import ListPolicy, list_schedule
+from steptune.pipeline.schedule import ScheduleError
+from steptune.pipeline.stages import (
+    boundary_shape,
+    lm_loss,
+    sleep_layers,
+    split_layers,
+    tiny_decoder_layers,
+)
+from steptune.testing import RankFailure, run_threads
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+VOCAB, SEQ, BATCH = 64, 8, 2
+
+
+def decoder_data(num_microbatches, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(num_microbatches)]
+    ys = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(num_microbatches)]
+    return xs, ys
+
+
+def decoder(num_blocks):
+    return tiny_decoder_layers(vocab=VOCAB, hidden=16, num_layers=num_blocks, num_heads=2, seq_len=SEQ, seed=0)
+
+
+def reference_grads(num_blocks, xs, ys):
+    layers = decoder(num_blocks)
+    model = torch.nn.Sequential(*layers)
+    for x, y in zip(xs, ys, strict=True):
+        (lm_loss(model(x), y) / len(xs)).backward()
+    return [p.grad.clone() for layer in layers for p in layer.parameters()]
+
+
+def run_pipeline(schedule, layers, xs, ys, loss_fn, *, timeout=60.0):
+    assert schedule.partition is not None
+    stages = split_layers(layers, schedule.partition)
+    meta = boundary_shape(stages, xs[0])
+
+    def rank_fn(rank, group):
+        mine = {s: stages[s] for s in schedule.stages_of(rank)}
+        ex = PipelineExecutor(schedule, mine, rank=rank, group=group, boundary=meta, loss_fn=loss_fn,
+                              config=ExecutorConfig(timeout=timeout))
+        return ex.step(xs if 0 in mine else None, ys if schedule.num_stages - 1 in mine else None)
+
+    return run_threads(rank_fn, schedule.num_devices, timeout=timeout + 30)
+
+
+def max_rel_diff(layers, ref):
+    got = [p.grad for layer in layers for p in layer.parameters()]
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, ref, strict=True))
+
+
+def with_partition(schedule, partition):
+    from dataclasses import replace
+
+    return replace(schedule, partition=tuple(partition)).validate()
+
+
+def uniform(n_units, n_stages):
+    q, r = divmod(n_units, n_stages)
+    return [q + (1 if k < r else 0) for k in range(n_stages)]
+
+
+ANCHOR_CASES = [
+    ("gpipe", lambda p, m: anchors.gpipe(p, m)),
+    ("1f1b", lambda p, m: anchors.one_f_one_b(p, m)),
+    ("zb_h1", lambda p, m: anchors.zb_h1(p, m)),
+    ("interleaved_1f1b", lambda p, m: anchors.interleaved_1f1b(p, m, num_chunks=2)),
+    ("zb_v", lambda p, m: anchors.zb_v(p, m)),
+    ("dualpipe_v", lambda p, m: anchors.dualpipe_v(p, m)),
+]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("name,make", ANCHOR_CASES, ids=[c[0] for c in ANCHOR_CASES])
+def test_anchor_gradients_equal_single_process(name, make, num_ranks):
+    m = 2 * num_ranks
+    sched = make(num_ranks, m)
+    n_units = max(sched.num_stages, 4) + 2  # embedding + blocks + head
+    sched = with_partition(sched, uniform(n_units, sched.num_stages))
+    xs, ys = decoder_data(m)
+    ref = reference_grads(n_units - 2, xs, ys)
+    layers = decoder(n_units - 2)
+    losses = run_pipeline(sched, layers, xs, ys, lm_loss)
+    assert max_rel_diff(layers, ref) <= 1e-6
+    last_rank = sched.placement[-1]
+    assert len(losses[last_rank]) == m and all(x > 0 for x in losses[last_rank])
+
+
+IRREGULAR = {
+    "uneven-seq": ((0, 1, 1, 1), (2, 1, 1, 2)),  # rank 1 holds three consecutive stages
+    "v": ((0, 1, 1, 0), (1, 2, 2, 1)),
+    "neither-v-nor-loop": ((0, 1, 1, 2, 0), (1, 1, 2, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IRREGULAR))
+@pytest.mark.parametrize("split_backward", [True, False])
+def test_tuned_irregular_schedules_exact(case, split_backward):
+    placement, partition = IRREGULAR[case]
+    n = len(placement)
+    rng = random.Random(7)
+    costs = StageCosts(f=tuple(rng.uniform(1, 3) for _ in range(n)), i=tuple(rng.uniform(1, 3) for _ in range(n)),
+                       w=tuple(rng.uniform(0.5, 2) for _ in range(n)), act_bytes=(1.0,) * n, out_bytes=(0.0,) * n,
+                       static_bytes=(0.0,) * n)
+    m = 6
+    sched = list_schedule(costs, placement, m, ListPolicy(extra_inflight=1, split_backward=split_backward),
+                          partition=partition)
+    xs, ys = decoder_data(m, seed=3)
+    n_blocks = sum(partition) - 2
+    ref = reference_grads(n_blocks, xs, ys)
+    layers = decoder(n_blocks)
+    run_pipeline(sched, layers, xs, ys, lm_loss)
+    assert max_rel_diff(layers, ref) <= 1e-6
+
+
+def test_sleep_harness_gradients_exact():
+    costs = LayerCosts(f=(0.001,) * 8, i=(0.001,) * 8, w=(0.001,) * 8, act_bytes=(1.0,) * 8,
+                       out_bytes=(1.0,) * 8, static_bytes=(1.0,) * 8)
+    sched = with_partition(anchors.zb_v(2, 4), (2, 2, 2, 2))
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 16, generator=g) for _ in range(4)]
+    ys = [torch.randn(2, 16, generator=g) for _ in range(4)]
+
+    def mse(out, t):
+        return ((out - t) ** 2).mean()
+
+    ref_layers = sleep_layers(costs)
+    model = torch.nn.Sequential(*ref_layers)
+    for x, y in zip(xs, ys, strict=True):
+        (mse(model(x), y) / 4).backward()
+    ref = [p.grad.clone() for layer in ref_layers for p in layer.parameters()]
+    layers = sleep_layers(costs)
+    run_pipeline(sched, layers, xs, ys, mse)
+    assert max_rel_diff(layers, ref) <= 1e-6
+
+
+def test_200_random_valid_schedules_run_without_deadlock():
+    rng = random.Random(2026)
+    by_world: dict[int, list] = {2: [], 3: [], 4: []}
+    for _ in range(200):
+        p = rng.choice((2, 3, 4))
+        n = rng.randrange(p, 7)
+        sched = random_schedule(rng, num_devices=p, num_stages=n, num_microbatches=rng.choice((1, 2, 3, 5)))
+        by_world[p].append(with_partition(sched, [1] * n))
+    zero = LayerCosts(f=(0.0,) * 6, i=(0.0,) * 6, w=(0.0,) * 6, act_bytes=(1.0,) * 6, out_bytes=(1.0,) * 6,
+                      static_bytes=(1.0,) * 6)
+
+    def loss(o, t):
+        return (o * t).sum()
+
+    t0 = time.monotonic()
+    for world, schedules in by_world.items():
+        built = []
+        for sched in schedules:  # models built outside the ranks: every rank sees the same stages
+            stages = split_layers(sleep_layers(zero)[: sched.num_stages], sched.partition)
+            xs = [torch.randn(1, 16) for _ in range(sched.num_microbatches)]
+            built.append((sched, stages, xs))
+
+        def rank_fn(rank, group, built=built):
+            done = 0
+            for sched, stages, xs in built:  # one gloo world runs every schedule of this size
+                mine = {s: stages[s] for s in sched.stages_of(rank)}
+                ex = PipelineExecutor(sched, mine, rank=rank, group=group, boundary=[((1, 16), torch.float32)] * 6,
+                                      loss_fn=loss, config=ExecutorConfig(timeout=20.0))
+                ex.step(xs if 0 in mine else None, xs if sched.num_stages - 1 in mine else None)
+                done += 1
+            return done
+
+        assert run_threads(rank_fn, world, timeout=120) == [len(schedules)] * world
+    assert sum(len(v) for v in by_world.values()) == 200
+    assert time.monotonic() - t0 < 120
+
+
+def test_invalid_schedules_refused_before_any_communication():
+    refused = 0
+    for kind, sched in invalid_schedules(random.Random(5), 20):
+        with pytest.raises(ScheduleError) as info:
+            # No group exists: a refusal here cannot have communicated.
+            PipelineExecutor(sched, {}, rank=0, group=None, boundary=[], loss_fn=lm_loss)
+        msg = str(info.value)
+        assert any(word in msg for word in ("deadlocks", "missing", "twice", "placed on", "needs exactly one"))
+        if kind in ("cycle", "backward_first"):
+            assert "deadlocks" in msg and "->" in msg
+        refused += 1
+    assert refused == 20
+    check_schedule(anchors.zb_v(4, 8))  # and a valid one passes
+
+
+def test_stuck_rank_becomes_an_error_with_every_rank_position():
+    from steptune.core.dist import master_store
+
+    sched = with_partition(anchors.one_f_one_b(2, 2), (2, 2))
+    costs = LayerCosts(f=(0.0,) * 4, i=(0.0,) * 4, w=(0.0,) * 4, act_bytes=(1.0,) * 4, out_bytes=(1.0,) * 4,
+                       static_bytes=(1.0,) * 4)
+    layers = sleep_layers(costs)
+    stages = split_layers(layers, (2, 2))
+    xs = [torch.randn(1, 16) for _ in range(2)]
+    store = master_store()
+
+    def rank_fn(rank, group):
+        ex = PipelineExecutor(sched, {rank: stages[rank]}, rank=rank, group=group, boundary=[((1, 16), torch.float32)],
+                              loss_fn=lambda o, t: o.sum(), config=ExecutorConfig(timeout=1.0), store=store)
+        if rank == 1:
+            store.set("pp/pos/1", "stuck before its first action (injected)")
+            time.sleep(3.0)  # a dead-slow rank: rank 0 must not wait forever
+            return None
+        return ex.step(xs, None)
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_threads(rank_fn, 2, timeout=30)
+    assert time.monotonic() - t0 < 10
+    msg = info.value.remote_traceback
+    assert "ExecutorTimeout" in msg and "rank 0: action" in msg and "rank 1: stuck before" in msg
