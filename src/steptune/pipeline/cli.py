@@ -160,6 +160,57 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from steptune.pipeline.runner import rank_main
+    from steptune.pipeline.schedule import Schedule
+
+    sched = Schedule.load(args.schedule)
+    if sched.partition is None:
+        raise ValueError(
+            f"{args.schedule} has no partition: run a schedule written by `steptune pipeline tune` "
+            "(schedule.json), or add a 'partition' list to the JSON"
+        )
+    call = (sched.to_json(), args.model, args.repeats, args.check, args.check)
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
+        import datetime
+
+        import torch.distributed as dist
+
+        if int(os.environ["WORLD_SIZE"]) != sched.num_devices:
+            raise ValueError(
+                f"torchrun started {os.environ['WORLD_SIZE']} ranks, the schedule needs {sched.num_devices}"
+            )
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        try:
+            report = rank_main(dist.get_rank(), dist.group.WORLD, *call)
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ.get("RANK", 0)) != 0:
+            return 0
+    else:
+        from steptune.testing import SpawnPool
+
+        if args.ranks != sched.num_devices:
+            raise ValueError(
+                f"--ranks {args.ranks} but the schedule places stages on {sched.num_devices} devices"
+            )
+        with SpawnPool(args.ranks, default_group=True, timeout=600, group_timeout=120) as pool:
+            report = pool.run(rank_main, *call, timeout=600)[0]
+    for k in ("measured_step_s", "simulated_step_s", "torch_runtime_step_s", "grad_max_rel_diff"):
+        if k in report:
+            print(f"{k:24s} {report[k]:.6g}")
+    if "simulated_step_s" in report:
+        print(f"{'measured / simulated':24s} {report['measured_step_s'] / report['simulated_step_s']:.3f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote: {args.json}")
+    return 0
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "pipeline",
@@ -184,6 +235,28 @@ def register(sub: Any) -> None:
     s.add_argument("--out", type=Path, default=Path("runs/pipeline/simulate"), help="output folder")
     _costs_args(s)
     s.set_defaults(func=_simulate)
+
+    r = verbs.add_parser(
+        "run",
+        help="run a schedule on real ranks with the executor; compare with the simulator",
+        description="Run a schedule on N gloo ranks (spawned here, or one per process under "
+        "torchrun) and report the measured step time against the simulator's prediction.",
+    )
+    r.add_argument("--schedule", type=Path, required=True, help="schedule.json written by `pipeline tune`")
+    r.add_argument(
+        "--model",
+        default="sleep:gemma-2b",
+        help="sleep:PRESET (sleeping layers timed from the preset) or tiny-decoder",
+    )
+    r.add_argument("--ranks", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
+    r.add_argument("--repeats", type=int, default=3, help="steps per engine; the median is reported")
+    r.add_argument(
+        "--check",
+        action="store_true",
+        help="also run torch's _PipelineScheduleRuntime and a single-process gradient reference",
+    )
+    r.add_argument("--json", type=Path, default=None, help="write the report here")
+    r.set_defaults(func=_run)
 
     b = verbs.add_parser(
         "bench", help="tuner vs every anchor on the benchmark suite; writes JSON + table + PNG"
