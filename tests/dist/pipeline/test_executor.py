@@ -128,13 +128,18 @@ def test_tuned_irregular_schedules_exact(case, split_backward):
     assert max_rel_diff(layers, ref) <= 1e-6
 
 
-def test_sleep_harness_gradients_exact():
-    costs = LayerCosts(f=(0.001,) * 8, i=(0.001,) * 8, w=(0.001,) * 8, act_bytes=(1.0,) * 8,
-                       out_bytes=(1.0,) * 8, static_bytes=(1.0,) * 8)
-    sched = with_partition(anchors.zb_v(2, 4), (2, 2, 2, 2))
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("name,make", ANCHOR_CASES, ids=[c[0] for c in ANCHOR_CASES])
+def test_sleep_harness_gradients_exact(name, make, num_ranks):
+    m = 2 * num_ranks
+    sched = make(num_ranks, m)
+    n = sched.num_stages + 2
+    sched = with_partition(sched, uniform(n, sched.num_stages))
+    costs = LayerCosts(f=(0.0,) * n, i=(0.0,) * n, w=(0.0,) * n, act_bytes=(1.0,) * n, out_bytes=(1.0,) * n,
+                       static_bytes=(1.0,) * n)
     g = torch.Generator().manual_seed(0)
-    xs = [torch.randn(2, 16, generator=g) for _ in range(4)]
-    ys = [torch.randn(2, 16, generator=g) for _ in range(4)]
+    xs = [torch.randn(2, 16, generator=g) for _ in range(m)]
+    ys = [torch.randn(2, 16, generator=g) for _ in range(m)]
 
     def mse(out, t):
         return ((out - t) ** 2).mean()
@@ -142,11 +147,39 @@ def test_sleep_harness_gradients_exact():
     ref_layers = sleep_layers(costs)
     model = torch.nn.Sequential(*ref_layers)
     for x, y in zip(xs, ys, strict=True):
-        (mse(model(x), y) / 4).backward()
+        (mse(model(x), y) / m).backward()
     ref = [p.grad.clone() for layer in ref_layers for p in layer.parameters()]
     layers = sleep_layers(costs)
     run_pipeline(sched, layers, xs, ys, mse)
     assert max_rel_diff(layers, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_hf_decoder_pipeline_exact(kind):
+    transformers = pytest.importorskip("transformers")
+    from steptune.pipeline.stages import hf_decoder_layers
+
+    def build():
+        cfg_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[kind]
+        cfg = cfg_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+    m = 4
+    xs, ys = decoder_data(m, seed=1)
+    ref_model = build()
+    for x, y in zip(xs, ys, strict=True):
+        (lm_loss(ref_model(input_ids=x).logits, y) / m).backward()
+    ref = [p.grad.clone() for p in ref_model.parameters()]
+    model = build()
+    units = hf_decoder_layers(model)  # embed, 3 decoder layers, norm + head
+    sched = with_partition(anchors.zb_v(2, m), (1, 1, 2, 1))
+    run_pipeline(sched, units, xs, ys, lm_loss)
+    got = [p.grad for p in model.parameters()]
+    assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref, strict=True)) <= 1e-6
 
 
 def test_200_random_valid_schedules_run_without_deadlock():
