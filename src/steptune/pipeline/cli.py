@@ -150,9 +150,10 @@ def _simulate(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from steptune.pipeline.bench import run_bench, suite, write_bench
 
+    budget = args.time_budget if args.time_budget is not None else (5.0 if args.suite == "quick" else 25.0)
     result = run_bench(
         suite(args.suite),
-        time_budget=args.time_budget,
+        time_budget=budget,
         progress=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     paths = write_bench(result, args.json)
@@ -224,7 +225,9 @@ def register(sub: Any) -> None:
     t.add_argument("--model", required=True, help="model preset, e.g. gemma-2b")
     t.add_argument("--devices", type=int, required=True, help="pipeline devices P")
     t.add_argument("--microbatches", type=int, required=True, help="microbatches per step M")
-    t.add_argument("--time-budget", type=float, default=20.0, help="seconds of local search (default 20)")
+    t.add_argument(
+        "--time-budget", type=float, default=20.0, help="seconds for the whole search (default 20)"
+    )
     t.add_argument("--out", type=Path, default=Path("runs/pipeline/tune"), help="output folder")
     _costs_args(t)
     t.set_defaults(func=_tune)
@@ -263,5 +266,10 @@ def register(sub: Any) -> None:
     )
     b.add_argument("--suite", choices=("quick", "full"), default="quick")
     b.add_argument("--json", type=Path, default=Path("runs/pipeline/bench.json"))
-    b.add_argument("--time-budget", type=float, default=20.0, help="local-search seconds per config")
+    b.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="search seconds per config (default: 5 for quick, 25 for full)",
+    )
     b.set_defaults(func=_bench)

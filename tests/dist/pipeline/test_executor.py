@@ -105,6 +105,8 @@ IRREGULAR = {
     "uneven-seq": ((0, 1, 1, 1), (2, 1, 1, 2)),  # rank 1 holds three consecutive stages
     "v": ((0, 1, 1, 0), (1, 2, 2, 1)),
     "neither-v-nor-loop": ((0, 1, 1, 2, 0), (1, 1, 2, 1, 1)),
+    "uneven-4-ranks": ((0, 1, 2, 2, 2, 3), (2, 1, 1, 1, 1, 2)),
+    "neither-4-ranks": ((0, 1, 2, 3, 1, 0, 2), (1, 1, 1, 1, 2, 1, 1)),
 }
 
 
