@@ -55,9 +55,7 @@ def _tune(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from steptune.core.report import Table
-    from steptune.pipeline.costs import split_layer, stage_costs
-    from steptune.pipeline.simulate import simulate
-    from steptune.pipeline.tune import TuneConfig, tune
+    from steptune.pipeline.tune import TuneConfig, resimulate, tune
 
     console = Console(stderr=True)
     layers, cap, link = _model_costs(args, args.model)
@@ -98,9 +96,7 @@ def _tune(args: argparse.Namespace) -> int:
         "assumptions: docs/pipeline.md",
     ]
     table.print()
-    units = split_layer(layers, layers.num_layers - 1, int(best.schedule.meta.get("head_split", 1)))
-    assert best.schedule.partition is not None
-    full = simulate(best.schedule, stage_costs(units, best.schedule.partition, link=link))
+    full = resimulate(best, layers, link=link)
     paths = _write_outputs(args.out, best.schedule, full, f"tuned: {best.recipe}")
     paths += list(table.write(args.out / "comparison"))
     print("wrote: " + ", ".join(str(p) for p in paths))
@@ -121,14 +117,7 @@ def _simulate(args: argparse.Namespace) -> int:
         costs = stage_costs(layers, part, link=link)
     else:  # unit costs: F = I = W = 1, free communication
         n, cap = sched.num_stages, args.memory_cap
-        costs = StageCosts(
-            f=(1.0,) * n,
-            i=(1.0,) * n,
-            w=(1.0,) * n,
-            act_bytes=(1.0,) * n,
-            out_bytes=(0.0,) * n,
-            static_bytes=(0.0,) * n,
-        )
+        costs = StageCosts.uniform(n)
     res = simulate(sched, costs)
     table = Table(
         title=f"{sched.name}: {sched.num_devices} devices, {sched.num_stages} stages, "

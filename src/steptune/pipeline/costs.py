@@ -66,6 +66,21 @@ class StageCosts:
     def num_stages(self) -> int:
         return len(self.f)
 
+    @staticmethod
+    def uniform(
+        num_stages: int, *, f: float = 1.0, i: float = 1.0, w: float = 1.0, act_bytes: float = 1.0
+    ) -> StageCosts:
+        """Equal stages and free communication: closed forms, dry runs and unit-cost simulation."""
+        n = num_stages
+        return StageCosts(
+            f=(f,) * n,
+            i=(i,) * n,
+            w=(w,) * n,
+            act_bytes=(act_bytes,) * n,
+            out_bytes=(0.0,) * n,
+            static_bytes=(0.0,) * n,
+        )
+
     def comm_time(self, stage: int) -> float:
         """Seconds to send stage ``stage``'s output (or its gradient) to a neighbour on another device."""
         if self.link is None:

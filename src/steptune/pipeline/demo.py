@@ -8,9 +8,7 @@ from steptune.core.demo import DemoResult
 from steptune.core.plot import gantt
 from steptune.core.report import Table
 from steptune.pipeline.bench import BenchConfig, bench_model_costs
-from steptune.pipeline.costs import split_layer, stage_costs
-from steptune.pipeline.simulate import simulate
-from steptune.pipeline.tune import TuneConfig, tune
+from steptune.pipeline.tune import TuneConfig, resimulate, tune
 
 __all__ = ["run_pipeline_demo"]
 
@@ -49,9 +47,7 @@ def run_pipeline_demo(out_dir: Path, *, time_budget: float = 8.0) -> DemoResult:
             res.lower_bound,
         )
         for tag, cand in (("anchor", anchor), ("tuned", res.best)):
-            units = split_layer(layers, layers.num_layers - 1, int(cand.schedule.meta.get("head_split", 1)))
-            assert cand.schedule.partition is not None
-            full = simulate(cand.schedule, stage_costs(units, cand.schedule.partition, link=link))
+            full = resimulate(cand, layers, link=link)
             stem = f"{cfg.model}_P{cfg.num_devices}_{tag}"
             artifacts.append(
                 gantt(

@@ -55,15 +55,7 @@ class ExecutorConfig:
 def check_schedule(schedule: Schedule) -> None:
     """Refuse an invalid or deadlocking schedule before any communication (raises ScheduleError)."""
     schedule.validate()
-    n = schedule.num_stages
-    unit = StageCosts(
-        f=(1.0,) * n,
-        i=(1.0,) * n,
-        w=(1.0,) * n,
-        act_bytes=(0.0,) * n,
-        out_bytes=(0.0,) * n,
-        static_bytes=(0.0,) * n,
-    )
+    unit = StageCosts.uniform(schedule.num_stages, act_bytes=0.0)
     simulate(schedule, unit, with_spans=False)
 
 

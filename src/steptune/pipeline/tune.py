@@ -32,7 +32,7 @@ from steptune.pipeline.listsched import ListPolicy, list_schedule
 from steptune.pipeline.schedule import Schedule, ScheduleError
 from steptune.pipeline.simulate import SimResult, simulate
 
-__all__ = ["Candidate", "TuneConfig", "TuneResult", "lower_bound", "placement_for", "tune"]
+__all__ = ["Candidate", "TuneConfig", "TuneResult", "lower_bound", "placement_for", "resimulate", "tune"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,6 +112,16 @@ _POLICIES = (
 )
 
 
+def resimulate(
+    cand: Candidate, layers: LayerCosts, *, link: LinkSpec | None = None, overhead: float = 0.0
+) -> SimResult:
+    """Simulate a tuned candidate again with spans (the search runs without them), head split applied."""
+    if cand.schedule.partition is None:
+        raise ValueError(f"candidate {cand.recipe} has no partition")
+    units = split_layer(layers, layers.num_layers - 1, int(cand.schedule.meta.get("head_split", 1)))
+    return simulate(cand.schedule, stage_costs(units, cand.schedule.partition, link=link, overhead=overhead))
+
+
 def lower_bound(layers: LayerCosts, num_devices: int, num_microbatches: int) -> float:
     """max(total work / P, heaviest indivisible layer), for all microbatches."""
     per_layer = [layers.f[k] + layers.i[k] + layers.w[k] for k in range(layers.num_layers)]
@@ -137,6 +147,25 @@ def _family_of(placement: tuple[int, ...], num_devices: int) -> str:
     return "custom"
 
 
+Maker = Callable[[tuple[int, ...]], Schedule]
+
+
+def _list_maker(
+    units: LayerCosts,
+    placement: tuple[int, ...],
+    num_microbatches: int,
+    policy: ListPolicy,
+    config: TuneConfig,
+) -> Maker:
+    """A recipe: partition -> list-scheduled order for this placement and policy."""
+
+    def make(partition: tuple[int, ...]) -> Schedule:
+        sc = stage_costs(units, partition, link=config.link, overhead=config.overhead)
+        return list_schedule(sc, placement, num_microbatches, policy, partition=partition)
+
+    return make
+
+
 def _head_splits(layers: LayerCosts, num_devices: int) -> list[int]:
     """Head split factors worth trying: only when the last unit is heavy against a device's share."""
     per_layer = [layers.f[k] + layers.i[k] + layers.w[k] for k in range(layers.num_layers)]
@@ -144,9 +173,6 @@ def _head_splits(layers: LayerCosts, num_devices: int) -> list[int]:
     if per_layer[-1] < 0.5 * share:
         return [1]
     return [k for k in (1, 2, 4, 8) if k <= num_devices]
-
-
-Maker = Callable[[tuple[int, ...]], Schedule]
 
 
 def tune(
@@ -239,16 +265,7 @@ def tune(
             break
         pol = replace(base, memory_cap=config.memory_cap)
         for split, units, family, placement, pname, part in combos:
-
-            def make_list(
-                partition: tuple[int, ...],
-                pol: ListPolicy = pol,
-                placement: tuple[int, ...] = placement,
-                units: LayerCosts = units,
-            ) -> Schedule:
-                sc = stage_costs(units, partition, link=config.link, overhead=config.overhead)
-                return list_schedule(sc, placement, m, pol, partition=partition)
-
+            make_list = _list_maker(units, placement, m, pol, config)
             cand = evaluate(units, split, f"{pol.label()}/{family}", make_list, part, pname)
             if cand is not None:
                 seeds.append((cand, f"{pol.label()}/{family}", make_list, part, units, split))
@@ -291,15 +308,7 @@ def tune(
             memory_cap=config.memory_cap,
             tag=f"r{trial_no}",
         )
-
-        def make_rand(
-            partition: tuple[int, ...],
-            pol: ListPolicy = pol,
-            placement: tuple[int, ...] = placement,
-            units: LayerCosts = units,
-        ) -> Schedule:
-            sc = stage_costs(units, partition, link=config.link, overhead=config.overhead)
-            return list_schedule(sc, placement, m, pol, partition=partition)
+        make_rand = _list_maker(units, placement, m, pol, config)
 
         cand = evaluate(units, split, f"{pol.label()}/{_family_of(placement, p)}", make_rand, part, "random")
         if cand is not None and cand.memory_ok:
