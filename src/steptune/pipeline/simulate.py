@@ -15,6 +15,7 @@ A cyclic or otherwise impossible order raises ``ScheduleError`` naming what each
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from steptune.core.trace import Span, Trace
@@ -102,8 +103,18 @@ def _cycle(waits_on: dict[int, tuple[Action, Action]], place: tuple[int, ...]) -
     return "stuck: " + " -> ".join(path)
 
 
-def simulate(schedule: Schedule, costs: StageCosts, *, with_spans: bool = True) -> SimResult:
-    """Simulate ``schedule`` with per-stage ``costs``; see the module docstring for the model."""
+def simulate(
+    schedule: Schedule,
+    costs: StageCosts,
+    *,
+    with_spans: bool = True,
+    durations: Callable[[Action], float] | None = None,
+) -> SimResult:
+    """Simulate ``schedule`` with per-stage ``costs``; see the module docstring for the model.
+
+    ``durations`` overrides the compute time of individual actions (per-microbatch workloads, a
+    slowed device); ``costs`` still provides communication and memory.
+    """
     if costs.num_stages != schedule.num_stages:
         raise ScheduleError(f"costs cover {costs.num_stages} stages, the schedule has {schedule.num_stages}")
     place = schedule.placement
@@ -160,7 +171,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, with_spans: bool = True) 
                         ready, cause = t, f"{p}{via}"
                 if ready > dev_free[d] + _EPS:
                     bubbles.append(Bubble(d, dev_free[d], ready - dev_free[d], str(a), cause))
-                dur = _duration(costs, a)
+                dur = durations(a) if durations is not None else _duration(costs, a)
                 start[a], end[a] = ready, ready + dur
                 dev_free[d] = end[a]
                 busy[d] += dur
