@@ -105,17 +105,17 @@ def default_trace_path() -> Path:
 
 def load_trace(path: str | os.PathLike[str] | None = None) -> dict[str, np.ndarray]:
     """Columns of a StragglerAnalysis parquet trace as numpy arrays (``optype`` as str)."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ImportError("reading parquet traces needs pyarrow: pip install steptune[data]") from e
     path = Path(path) if path is not None else default_trace_path()
     if not path.is_file():
         raise FileNotFoundError(
             f"straggler trace not found at {path}; pass its path or set {TRACE_ENV} to trace-SE.parquet "
             "(ByteDance-Seed/StragglerAnalysis, data/trace-SE.parquet)"
         )
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError("reading parquet traces needs pyarrow: pip install steptune[data]") from e
     table = pq.read_table(path)
     columns = {}
     for name in table.column_names:
@@ -171,7 +171,7 @@ def trace_steps(columns: Mapping[str, np.ndarray], config: TraceConfig | None = 
     usable = (
         (seen == complete).all(axis=(1, 2, 3))
         & (complete == complete[:, :, ::-1]).all(axis=(1, 2, 3))
-        & complete.any(axis=3).all(axis=(1, 2))
+        & np.all(np.any(complete, axis=3), axis=(1, 2))
     )
     num_skipped = int((~usable).sum())
     if num_skipped:
@@ -247,7 +247,7 @@ def replay(detectors: Sequence[_Detector], steps: Sequence[StepObs]) -> dict[str
 
 
 def _cv(x: np.ndarray, axis: int | None = None) -> np.ndarray:
-    return np.std(x, axis=axis) / np.mean(x, axis=axis)
+    return np.asarray(np.std(x, axis=axis) / np.mean(x, axis=axis))
 
 
 def trace_stats(columns: Mapping[str, np.ndarray]) -> TraceStats:
