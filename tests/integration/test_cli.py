@@ -45,6 +45,11 @@ def test_demo_writes_report(tmp_path):
         "presets.json",
     ):
         assert (tmp_path / "core" / name).stat().st_size > 0
+    assert "OctoPipe tuner vs anchors" in report
+    for name in ("gemma-2b_P8_tuned.png", "gemma-2b_P8_anchor.trace.json", "pipeline.json"):
+        assert (tmp_path / "pipeline" / name).stat().st_size > 0
+    assert "Detectors on 8 simulated runs" in report
+    assert (tmp_path / "resilience" / "false_alarms.png").stat().st_size > 0
 
 
 def test_python_dash_m_entry():
