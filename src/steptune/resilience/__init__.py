@@ -1,7 +1,8 @@
 """steptune.resilience: ResiHP. Built so far: the workload model, the microbatch/iteration time
-predictor and the detectors (ResiHP's, fixed threshold, change point, heartbeat), scored on
-simulated runs and on a real 128-GPU trace. Not built yet: the adaptive planner, the baseline
-policies and the 256-GPU simulator (issue #7), and the real runtime (issue #8).
+predictor, the detectors (ResiHP's, fixed threshold, change point, heartbeat), scored on simulated
+runs and on a real 128-GPU trace, and the progressive TP -> PP -> DP planner (pure functions, unit
+tested). Not built yet: the baseline policies and the 256-GPU simulator that would measure the
+planner's throughput (issue #7), and the real runtime (issue #8).
 """
 
 from steptune.resilience.detect import (
@@ -12,6 +13,7 @@ from steptune.resilience.detect import (
     ResiHPConfig,
     ResiHPDetector,
 )
+from steptune.resilience.plan import ClusterState, ExecutionPlan, progressive_replan
 from steptune.resilience.predict import PredictorConfig, WorkloadPredictor
 from steptune.resilience.workload import LENGTH_PRESETS, LengthDist, StageModel
 
@@ -19,6 +21,8 @@ __all__ = [
     "LENGTH_PRESETS",
     "Alarm",
     "ChangePointDetector",
+    "ClusterState",
+    "ExecutionPlan",
     "FixedThresholdDetector",
     "HeartbeatMonitor",
     "LengthDist",
@@ -27,4 +31,5 @@ __all__ = [
     "ResiHPDetector",
     "StageModel",
     "WorkloadPredictor",
+    "progressive_replan",
 ]
