@@ -304,7 +304,7 @@ def ours(sched: Schedule) -> list[list[str]]:
     return [[str(a) for a in order] for order in sched.orders]
 
 
-def _same_or_both_reject(torch_fn, ours_fn):
+def _assert_same_or_both_reject(torch_fn, ours_fn):
     try:
         expected = torch_fn()
     except ValueError:
@@ -340,7 +340,7 @@ def test_1f1b_matches_torch_except_its_last_rank_numbering(p):
 @pytest.mark.parametrize("v", [2, 3])
 def test_interleaved_1f1b_matches_torch(p, v):
     for m in sorted({2, 3, p, 2 * p, 10, 11}):
-        _same_or_both_reject(
+        _assert_same_or_both_reject(
             lambda m=m: torch_orders("Interleaved1F1B", p, m, v),
             lambda m=m: interleaved_1f1b(p, m, num_chunks=v),
         )
@@ -366,7 +366,7 @@ def test_zb_v_matches_torch(p):
 @pytest.mark.parametrize("p", DEVICE_COUNTS)
 def test_dualpipe_v_matches_torch(p):
     for m in (2 * p - 1, 2 * p, 2 * p + 1, 3 * p):
-        _same_or_both_reject(lambda m=m: torch_orders("DualPipeV", p, m), lambda m=m: dualpipe_v(p, m))
+        _assert_same_or_both_reject(lambda m=m: torch_orders("DualPipeV", p, m), lambda m=m: dualpipe_v(p, m))
     # Every torch OVERLAP_F_B becomes one recorded pair.
     vis = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
     num_overlaps = sum(
