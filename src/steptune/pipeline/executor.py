@@ -115,6 +115,7 @@ class PipelineExecutor:
         self.last = schedule.num_stages - 1
         self.losses: list[float] = []
         self._recvs = self._plan_recvs()
+        self._recv_index = {r[0]: i for i, r in enumerate(self._recvs)}
 
     # --- planning ------------------------------------------------------------------------------
 
@@ -192,8 +193,7 @@ class PipelineExecutor:
             if key in local:
                 return local.pop(key)
             # Post receives through this one, plus the window ahead.
-            idx = next(i for i, r in enumerate(self._recvs) if r[0] == key)
-            post_until(idx + 1 + self.config.recv_window)
+            post_until(self._recv_index[key] + 1 + self.config.recv_window)
             rv = pending.pop(key)
             self._wait(rv.work, f"{key[0]}-input of stage {key[1]} microbatch {key[2]} from rank {rv.src}")
             return rv.buf
