@@ -123,23 +123,18 @@ def _calibrate(rank: int, group: Any, schedule: Schedule) -> tuple[float, float]
     latency = torch.tensor([(time.perf_counter() - t0) / (2 * rounds)])
     dist.broadcast(latency, 0, group=group)
     # The executor's own cost: the same schedule on zero-time sleep layers.
+    n_units, m = sum(schedule.partition or ()), schedule.num_microbatches
+    nothing = (0.0,) * n_units
     zero = LayerCosts(
-        f=(0.0,) * sum(schedule.partition or ()),
-        i=(0.0,) * sum(schedule.partition or ()),
-        w=(0.0,) * sum(schedule.partition or ()),
-        act_bytes=(0.0,) * sum(schedule.partition or ()),
-        out_bytes=(0.0,) * sum(schedule.partition or ()),
-        static_bytes=(0.0,) * sum(schedule.partition or ()),
+        f=nothing, i=nothing, w=nothing, act_bytes=nothing, out_bytes=nothing, static_bytes=nothing
     )
     bundle = ModelBundle(
         layers=list(sleep_layers(zero, hidden=HIDDEN)),
-        inputs=[torch.randn(1, HIDDEN)] * 1,
-        targets=[],
+        inputs=[torch.randn(1, HIDDEN) for _ in range(m)],
+        targets=[torch.randn(1, HIDDEN) for _ in range(m)],
         loss_fn=_mse,
         costs=zero,
     )
-    bundle.inputs = [torch.randn(1, HIDDEN) for _ in range(schedule.num_microbatches)]
-    bundle.targets = [torch.randn(1, HIDDEN) for _ in range(schedule.num_microbatches)]
     step = _our_engine(rank, group, schedule, bundle)
     step()  # warm-up
     times = [step() for _ in range(5)]
