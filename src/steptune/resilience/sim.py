@@ -1,0 +1,513 @@
+"""Iteration-level simulation of a training job under injected failures, to score adaptation policies.
+
+A job is ``dp`` replicas of a ``pp``-stage pipeline whose stages are TP groups of ``tp`` devices (device
+ids replica-major, as in ``initial_plan``). Wall-clock time advances one training step at a time until
+``duration_s``; at each step boundary the policy sees the device speeds it has detected so far and may
+replace the ``ExecutionPlan`` at the price of a stall. Everything here is SIMULATED.
+
+Modelled:
+- Speeds: device ``i`` runs at the product of the factors of its active fail-slows, 0 once fail-stopped.
+  A step uses the speeds at its start; a fail-slow that starts mid-step takes effect at the next step.
+- Step time: per replica, the pipeline simulator's makespan of a 1F1B schedule over that replica's
+  microbatches with per-stage F and B durations = the stage's layer times / its TP group's throughput
+  (``group_speed``: k x min p, the slowest member paces the group); the step is the slowest replica.
+  Layer times are the preset's per-layer FLOPs for one packed sequence of ``tokens_per_microbatch``
+  tokens at ``efficiency`` x the device peak. A plan with a dead device cannot step at all.
+- A fail-stop on a device of the running plan during a step aborts that step (its time is lost).
+- Detection: a policy sees a failure's onset (and a fail-slow's end) ``detect_*_steps`` healthy step
+  times after it happens: "steps" become seconds through the healthy step time, so a halted job still
+  detects (a heartbeat timeout is a multiple of the usual step, as in ``evaluate.simulate_run``).
+- Checkpoint-restart: a checkpoint at the first step boundary after every ``checkpoint_interval_s``;
+  a restart stalls ``restart_cost_s`` and discards the steps since the last checkpoint.
+- Reconfiguration price (``reconfig_cost``): ``tp_s`` per TP group that changed, ``pp_s`` +
+  ``pp_per_layer_s`` x layers moved if the partition changed, ``dp_s`` if microbatch counts changed.
+
+Ignored: DP gradient synchronization, the optimizer step, TP collectives and PP P2P transfers (free
+communication), activation memory (the planner's memory check uses 16 bytes/parameter only), the cost
+of writing checkpoints, sequence-length variability (every microbatch costs the same), and spare devices:
+only the job's ``tp*pp*dp`` devices exist. The tokens/s numbers are model outputs, not measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Protocol
+
+from steptune.core.specs import Phase, cluster_preset, model_preset
+from steptune.pipeline.anchors import one_f_one_b
+from steptune.pipeline.costs import StageCosts
+from steptune.pipeline.simulate import simulate
+from steptune.resilience.plan import (
+    ClusterState,
+    ExecutionPlan,
+    ReconfigCosts,
+    initial_plan,
+    progressive_replan,
+)
+
+__all__ = [
+    "CheckpointRestart",
+    "Decision",
+    "FailureEvent",
+    "NoOp",
+    "Oracle",
+    "Policy",
+    "ResiHPPolicy",
+    "SimContext",
+    "SimJob",
+    "SimResult",
+    "reconfig_cost",
+    "run",
+]
+
+_KINDS = ("fail-stop", "fail-slow")
+_MIN_LAYER_S = 1e-9
+"""Floor on a layer's time: embeddings have (almost) no FLOPs but the planner needs costs > 0."""
+_BYTES_PER_PARAM = 16.0
+"""bf16 weights + fp32 master, grads and two Adam moments."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FailureEvent:
+    """One injected failure on one device."""
+
+    kind: str
+    """"fail-stop" (the device dies for good) or "fail-slow" (it runs at ``factor`` of its speed)."""
+    device: int
+    start_s: float
+    duration_s: float = math.inf
+    """How long a fail-slow lasts (inf: persistent). Ignored for a fail-stop."""
+    factor: float = 1.0
+    """Fail-slow speed multiplier in (0, 1]: 0.5 = half speed."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"failure kind {self.kind!r} must be one of {_KINDS}")
+        if self.device < 0 or self.start_s < 0 or self.duration_s <= 0:
+            raise ValueError("failure needs device >= 0, start_s >= 0 and duration_s > 0")
+        if self.kind == "fail-slow" and not 0 < self.factor <= 1:
+            raise ValueError(f"fail-slow factor {self.factor} must lie in (0, 1] (0.5 = half speed)")
+
+    @property
+    def end_s(self) -> float:
+        return math.inf if self.kind == "fail-stop" else self.start_s + self.duration_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimJob:
+    """The training job and the prices of recovering it."""
+
+    model: str = "llama2-7b"
+    tp: int = 2
+    pp: int = 4
+    dp: int = 4
+    global_microbatches: int = 32
+    tokens_per_microbatch: int = 4096
+    """One packed sequence per microbatch (attention is quadratic over all of it)."""
+    cluster: str = "a100-256"
+    efficiency: float = 0.5
+    """Fraction of the device's peak FLOP/s that layers achieve."""
+    checkpoint_interval_s: float = 1800.0
+    restart_cost_s: float = 600.0
+    """Stall of a checkpoint restart: reschedule, reload, warm up."""
+    reconfig: ReconfigCosts = field(default_factory=lambda: ReconfigCosts(tp_s=1.0, pp_s=5.0, dp_s=0.0))
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_microbatches * self.tokens_per_microbatch
+
+
+class Decision(NamedTuple):
+    plan: ExecutionPlan
+    stall_s: float = 0.0
+    restart: bool = False
+    """Roll back to the last checkpoint (the steps since then are lost)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimContext:
+    """What every policy may use besides the detected speeds: the job, its first plan, the cost model."""
+
+    job: SimJob
+    base_plan: ExecutionPlan
+    healthy_step_s: float
+    step_time: Callable[[ExecutionPlan, tuple[float, ...]], float] = field(repr=False)
+    """Simulated step time of a plan under given speeds (what the Oracle optimizes)."""
+
+
+class Policy(Protocol):
+    name: str
+    detect_stop_steps: float
+    """Healthy steps from a fail-stop until the policy sees it (heartbeat latency)."""
+    detect_slow_steps: float
+    """Healthy steps from a fail-slow's onset (or end) until the policy sees it; inf: never."""
+
+    def on_step(
+        self,
+        t: float,
+        step: int,
+        observed: tuple[float, ...],
+        plan: ExecutionPlan,
+        state: ClusterState,
+        ctx: SimContext,
+    ) -> Decision: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    policy: str
+    duration_s: float
+    tokens: int
+    """Tokens of the steps that survived (restarts discard the steps since the last checkpoint)."""
+    steps: int
+    """Steps completed, including those a restart later discarded."""
+    lost_steps: int
+    stall_s: float
+    """Seconds spent reconfiguring or restarting."""
+    lost_s: float
+    """Seconds of steps discarded by restarts plus steps aborted by a fail-stop."""
+    halted_s: float
+    """Seconds the plan could not step (a dead device not yet replanned around)."""
+    timeline: tuple[tuple[float, float, int], ...] = field(repr=False)
+    """(start time, step time, plan version) per completed step."""
+    log: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.duration_s
+
+
+# Cost model --------------------------------------------------------------------------------------
+
+
+def _layer_times(job: SimJob) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int]:
+    """Per layer: forward and backward (B + W) seconds on one healthy device, bytes; and the heads."""
+    model = model_preset(job.model)
+    rate = cluster_preset(job.cluster).device.peak_flops * job.efficiency
+    n = job.tokens_per_microbatch
+    fwd = tuple(max(x.flops(n, Phase.F) / rate, _MIN_LAYER_S) for x in model.layers)
+    bwd = tuple(max((x.flops(n, Phase.B) + x.flops(n, Phase.W)) / rate, _MIN_LAYER_S) for x in model.layers)
+    nbytes = tuple(x.params * _BYTES_PER_PARAM for x in model.layers)
+    return fwd, bwd, nbytes, int(model.config.get("num_attention_heads", 1))
+
+
+def _make_step_time(
+    fwd: tuple[float, ...], bwd: tuple[float, ...]
+) -> Callable[[ExecutionPlan, tuple[float, ...]], float]:
+    cache: dict[tuple[ExecutionPlan, tuple[float, ...]], float] = {}
+
+    def step_time(plan: ExecutionPlan, speeds: tuple[float, ...]) -> float:
+        key = (plan, tuple(speeds[d] for g in plan.tp_groups for d in g))
+        if key not in cache:
+            cache[key] = _step_time(plan, speeds, fwd, bwd)
+        return cache[key]
+
+    return step_time
+
+
+def _step_time(
+    plan: ExecutionPlan, speeds: tuple[float, ...], fwd: tuple[float, ...], bwd: tuple[float, ...]
+) -> float:
+    out = 0.0
+    num_s = plan.num_stages
+    for r, (part, m) in enumerate(zip(plan.layer_partition, plan.microbatches, strict=True)):
+        if m == 0:
+            continue
+        f, b, start = [], [], 0
+        for s, n in enumerate(part):
+            g = plan.group(r, s)
+            speed = len(g) * min(speeds[d] for d in g)
+            if speed <= 0:
+                return math.inf
+            f.append(sum(fwd[start : start + n]) / speed)
+            b.append(sum(bwd[start : start + n]) / speed)
+            start += n
+        zero = (0.0,) * num_s
+        costs = StageCosts(f=tuple(f), i=tuple(b), w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
+        out = max(out, simulate(one_f_one_b(num_s, m), costs, with_spans=False).makespan)
+    return out
+
+
+def reconfig_cost(old: ExecutionPlan, new: ExecutionPlan, costs: ReconfigCosts) -> float:
+    """Stall of switching ``old`` -> ``new`` (module docstring); 0 if nothing changed."""
+    cost = costs.tp_s * len(set(new.tp_groups) - set(old.tp_groups))
+    if set(new.layer_partition) != set(old.layer_partition):
+
+        def owner(p: tuple[int, ...]) -> list[int]:
+            return [s for s, n in enumerate(p) for _ in range(n)]
+
+        ref = owner(old.layer_partition[0])
+        moved = max(sum(a != b for a, b in zip(ref, owner(p), strict=True)) for p in new.layer_partition)
+        cost += costs.pp_s + costs.pp_per_layer_s * moved
+    if new.microbatches != old.microbatches:
+        cost += costs.dp_s
+    return cost
+
+
+# Policies ----------------------------------------------------------------------------------------
+
+
+class NoOp:
+    """Never adapts: a fail-stop halts the job for good, a fail-slow slows every step."""
+
+    name = "noop"
+    detect_stop_steps = math.inf
+    detect_slow_steps = math.inf
+
+    def on_step(
+        self,
+        t: float,
+        step: int,
+        observed: tuple[float, ...],
+        plan: ExecutionPlan,
+        state: ClusterState,
+        ctx: SimContext,
+    ) -> Decision:
+        return Decision(plan)
+
+
+class CheckpointRestart:
+    """On a detected fail-stop: restart from the last checkpoint without the dead device's replica.
+
+    The removed replica's microbatches go to the survivors (the global batch is kept). Blind to fail-slow.
+    """
+
+    name = "ckpt-restart"
+    detect_slow_steps = math.inf
+
+    def __init__(self, *, detect_stop_steps: float = 2.0) -> None:
+        self.detect_stop_steps = detect_stop_steps
+
+    def on_step(
+        self,
+        t: float,
+        step: int,
+        observed: tuple[float, ...],
+        plan: ExecutionPlan,
+        state: ClusterState,
+        ctx: SimContext,
+    ) -> Decision:
+        keep = [
+            r
+            for r in range(plan.num_replicas)
+            if all(observed[d] > 0 for s in range(plan.num_stages) for d in plan.group(r, s))
+        ]
+        if len(keep) == plan.num_replicas:
+            return Decision(plan)
+        if not keep:
+            return Decision(plan)  # nothing left to restart on: the job stays down
+        total = sum(plan.microbatches)
+        q, rem = divmod(total, len(keep))
+        new = ExecutionPlan(
+            version=plan.version + 1,
+            tp_groups=tuple(plan.group(r, s) for r in keep for s in range(plan.num_stages)),
+            layer_partition=tuple(plan.layer_partition[r] for r in keep),
+            microbatches=tuple(q + (i < rem) for i in range(len(keep))),
+        )
+        return Decision(new, ctx.job.restart_cost_s, restart=True)
+
+
+class ResiHPPolicy:
+    """ResiHP: on a change in the detected speeds, ``progressive_replan`` and stall its reconfiguration.
+
+    A detected fail-stop is a permanent fault; a fail-slow is expected to last ``expected_slow_s``
+    (Greyhound's mean communication fail-slow, 24 min) for the ski-rental gates. Surviving replicas
+    hold the optimizer state, so nothing is rolled back. A replan that finds no surviving replica
+    leaves the job down. Excluded devices are not re-admitted after a fail-slow ends (ResiHP targets
+    persistent fail-slow).
+    """
+
+    name = "resihp"
+
+    def __init__(
+        self,
+        *,
+        detect_stop_steps: float = 2.0,
+        detect_slow_steps: float = 2.0,
+        expected_slow_s: float = 24 * 60.0,
+    ) -> None:
+        self.detect_stop_steps = detect_stop_steps
+        self.detect_slow_steps = detect_slow_steps
+        self.expected_slow_s = expected_slow_s
+        self._memo: dict[tuple[SimJob, ExecutionPlan, tuple[float, ...]], Decision] = {}
+
+    def on_step(
+        self,
+        t: float,
+        step: int,
+        observed: tuple[float, ...],
+        plan: ExecutionPlan,
+        state: ClusterState,
+        ctx: SimContext,
+    ) -> Decision:
+        key = (ctx.job, plan, observed)
+        if key not in self._memo:
+            used = [observed[d] for g in plan.tp_groups for d in g]
+            if min(used) >= 1.0:
+                self._memo[key] = Decision(plan)
+            else:
+                dur = math.inf if min(used) <= 0 else self.expected_slow_s
+                try:
+                    new, _ = progressive_replan(
+                        state, plan, expected_fault_duration_s=dur, reconfig_costs=ctx.job.reconfig
+                    )
+                except ValueError:
+                    new = plan  # no replica survives: down until a human replaces devices
+                self._memo[key] = Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
+        return self._memo[key]
+
+
+class Oracle:
+    """Sees every change at once and switches for free to the best simulated plan: an upper bound.
+
+    Candidates: the current plan, and ``progressive_replan`` from the current and from the first plan
+    (so recovered devices come back), each with free and with the job's reconfiguration costs.
+    """
+
+    name = "oracle"
+    detect_stop_steps = 0.0
+    detect_slow_steps = 0.0
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[SimJob, ExecutionPlan, tuple[float, ...]], Decision] = {}
+
+    def on_step(
+        self,
+        t: float,
+        step: int,
+        observed: tuple[float, ...],
+        plan: ExecutionPlan,
+        state: ClusterState,
+        ctx: SimContext,
+    ) -> Decision:
+        key = (ctx.job, plan, observed)
+        if key not in self._memo:
+            free = ReconfigCosts(tp_s=0.0, pp_s=0.0)
+            cands = [plan]
+            for src in (plan, ctx.base_plan):
+                for costs in (free, ctx.job.reconfig):
+                    try:
+                        cand, _ = progressive_replan(
+                            state, src, expected_fault_duration_s=math.inf, reconfig_costs=costs
+                        )
+                    except ValueError:
+                        continue
+                    cands.append(cand)
+            best = min(cands, key=lambda p: ctx.step_time(p, observed))
+            if best != plan:
+                best = replace(best, version=plan.version + 1)
+            self._memo[key] = Decision(best)
+        return self._memo[key]
+
+
+# The run loop ------------------------------------------------------------------------------------
+
+
+def _speeds(failures: tuple[FailureEvent, ...], n: int, t: float, delays: tuple[float, float]) -> list[float]:
+    """Speeds at time ``t`` as seen ``delays`` = (fail-stop, fail-slow) seconds late; (0, 0): the truth."""
+    out = [1.0] * n
+    for f in failures:
+        if f.kind == "fail-stop":
+            if t >= f.start_s + delays[0]:
+                out[f.device] = 0.0
+        elif f.start_s + delays[1] <= t < f.end_s + delays[1]:
+            out[f.device] *= f.factor
+    return out
+
+
+def run(
+    job: SimJob, policy: Policy, failures: tuple[FailureEvent, ...] | list[FailureEvent], duration_s: float
+) -> SimResult:
+    """Simulate ``duration_s`` seconds of ``job`` under ``failures`` with ``policy`` deciding recoveries."""
+    failures = tuple(failures)
+    n = job.num_devices
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    if any(f.device >= n for f in failures):
+        raise ValueError(f"failure device ids must be < {n} (tp*pp*dp devices of the job)")
+    fwd, bwd, nbytes, heads = _layer_times(job)
+    memory = cluster_preset(job.cluster).device.memory_bytes
+    costs = tuple(a + b for a, b in zip(fwd, bwd, strict=True))
+
+    def cluster_state(speeds: tuple[float, ...]) -> ClusterState:
+        return ClusterState(
+            speeds=speeds, layer_costs=costs, num_heads=heads, layer_bytes=nbytes, memory_bytes=memory
+        )
+
+    ones = (1.0,) * n
+    base = initial_plan(
+        cluster_state(ones), tp=job.tp, pp=job.pp, dp=job.dp, global_microbatches=job.global_microbatches
+    )
+    step_time = _make_step_time(fwd, bwd)
+    healthy = step_time(base, ones)
+    ctx = SimContext(job=job, base_plan=base, healthy_step_s=healthy, step_time=step_time)
+    delays = (policy.detect_stop_steps * healthy, policy.detect_slow_steps * healthy)
+    # Every moment the truth or the policy's view can change: where a halted job resumes looking.
+    edges = [x for f in failures for x in (f.start_s, f.end_s)]
+    changes = sorted({x + d for x in edges for d in (0.0, *delays)} - {math.inf})
+    t, plan, steps, good_steps = 0.0, base, 0, 0
+    stall = lost = halted = 0.0
+    timeline: list[tuple[float, float, int]] = []
+    log: list[str] = []
+    ckpt_step, ckpt_t, since_ckpt_s = 0, 0.0, 0.0  # good_steps at the last checkpoint
+    while t < duration_s:
+        observed = tuple(_speeds(failures, n, t, delays))
+        decision = policy.on_step(t, steps, observed, plan, cluster_state(observed), ctx)
+        if decision.plan != plan or decision.stall_s > 0:
+            log.append(
+                f"t={t:.1f}s: plan v{plan.version} -> v{decision.plan.version}, stall {decision.stall_s}s"
+            )
+            plan = decision.plan
+            stall += min(decision.stall_s, duration_s - t)
+            t += decision.stall_s
+            if decision.restart:
+                lost += since_ckpt_s
+                good_steps, since_ckpt_s, ckpt_t = ckpt_step, 0.0, t
+            continue  # the world may have changed during the stall
+        truth = tuple(_speeds(failures, n, t, (0.0, 0.0)))
+        st = step_time(plan, truth)
+        if math.isinf(st):
+            resume = min((x for x in changes if x > t), default=duration_s)
+            halted += min(resume, duration_s) - t
+            t = resume
+            continue
+        in_plan = {d for g in plan.tp_groups for d in g}
+        abort = min(
+            (
+                f.start_s
+                for f in failures
+                if f.kind == "fail-stop" and f.device in in_plan and t < f.start_s < t + st
+            ),
+            default=math.inf,
+        )
+        if abort < duration_s:
+            lost += abort - t
+            t = abort
+            continue
+        if t + st > duration_s:
+            break  # a step cut off by the end of the run counts for nothing
+        timeline.append((t, st, plan.version))
+        t += st
+        steps += 1
+        good_steps += 1
+        since_ckpt_s += st
+        if t >= ckpt_t + job.checkpoint_interval_s:
+            ckpt_step, ckpt_t, since_ckpt_s = good_steps, t, 0.0
+    return SimResult(
+        policy=policy.name,
+        duration_s=duration_s,
+        tokens=good_steps * job.tokens_per_step,
+        steps=steps,
+        lost_steps=steps - good_steps,
+        stall_s=stall,
+        lost_s=lost,
+        halted_s=halted,
+        timeline=tuple(timeline),
+        log=tuple(log),
+    )
