@@ -43,8 +43,10 @@ from steptune.resilience.plan import (
     ClusterState,
     ExecutionPlan,
     ReconfigCosts,
+    estimate_step_time,
     initial_plan,
     progressive_replan,
+    should_apply,
 )
 
 __all__ = [
@@ -319,8 +321,8 @@ class ResiHPPolicy:
     A detected fail-stop is a permanent fault; a fail-slow is expected to last ``expected_slow_s``
     (Greyhound's mean communication fail-slow, 24 min) for the ski-rental gates. Surviving replicas
     hold the optimizer state, so nothing is rolled back. A replan that finds no surviving replica
-    leaves the job down. Excluded devices are not re-admitted after a fail-slow ends (ResiHP targets
-    persistent fail-slow).
+    leaves the job down. When every device in the plan is healthy again and an excluded device has
+    recovered, it replans from the first plan, under the same ski-rental gate.
     """
 
     name = "resihp"
@@ -350,7 +352,7 @@ class ResiHPPolicy:
         if key not in self._memo:
             used = [observed[d] for g in plan.tp_groups for d in g]
             if min(used) >= 1.0:
-                self._memo[key] = Decision(plan)
+                self._memo[key] = self._readmit(plan, state, observed, ctx)
             else:
                 dur = math.inf if min(used) <= 0 else self.expected_slow_s
                 try:
@@ -361,6 +363,31 @@ class ResiHPPolicy:
                     new = plan  # no replica survives: down until a human replaces devices
                 self._memo[key] = Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
         return self._memo[key]
+
+    def _readmit(
+        self, plan: ExecutionPlan, state: ClusterState, observed: tuple[float, ...], ctx: SimContext
+    ) -> Decision:
+        """Every device in the plan is healthy: take back healthy devices the plan had excluded.
+
+        Replan from the first plan under the observed speeds; switch only if the modelled step gets
+        faster and the gain over ``expected_slow_s`` (the horizon a fail-slow decision used) pays for
+        the reconfiguration, the same ski-rental rule as in the other direction.
+        """
+        base_devices = {d for g in ctx.base_plan.tp_groups for d in g}
+        in_plan = {d for g in plan.tp_groups for d in g}
+        if not any(observed[d] >= 1.0 for d in base_devices - in_plan):
+            return Decision(plan)
+        try:
+            new, _ = progressive_replan(
+                state, ctx.base_plan, expected_fault_duration_s=math.inf, reconfig_costs=ctx.job.reconfig
+            )
+        except ValueError:
+            return Decision(plan)
+        cost = reconfig_cost(plan, new, ctx.job.reconfig)
+        t_now, t_new = estimate_step_time(state, plan), estimate_step_time(state, new)
+        if new == plan or not should_apply(t_now, t_new, self.expected_slow_s, cost):
+            return Decision(plan)
+        return Decision(replace(new, version=plan.version + 1), cost)
 
 
 class Oracle:

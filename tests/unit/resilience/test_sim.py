@@ -121,7 +121,7 @@ def test_no_policy_beats_the_oracle(scenario: str) -> None:
         assert _run(policy, scenario).tokens_per_s <= best * (1 + 1e-9), policy
 
 
-@pytest.mark.parametrize("scenario", ["fail-slow", "fail-stop", "mixed"])
+@pytest.mark.parametrize("scenario", ["fail-slow", "fail-slow-transient", "fail-stop", "mixed"])
 def test_resihp_beats_the_baselines(scenario: str) -> None:
     ours = _run("resihp", scenario).tokens_per_s
     assert ours >= _run("noop", scenario).tokens_per_s
@@ -156,3 +156,9 @@ def test_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="< 32"):
         run(JOB, NoOp(), (FailureEvent(kind="fail-stop", device=32, start_s=0.0),), 10.0)
     assert math.isinf(FailureEvent(kind="fail-stop", device=0, start_s=1.0).end_s)
+
+
+def test_resihp_readmits_a_recovered_device() -> None:
+    res = _run("resihp", "fail-slow-transient")
+    assert [v for _, _, v in res.timeline][-1] >= 2  # excluded, then taken back
+    assert res.tokens_per_s > 0.98 * _run("oracle", "fail-slow-transient").tokens_per_s
