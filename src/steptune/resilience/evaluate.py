@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from steptune.core.specs import LayerSpec, Phase, cluster_preset, model_preset
+from steptune.core.specs import Phase, cluster_preset, model_preset
 from steptune.pipeline.anchors import one_f_one_b
 from steptune.pipeline.costs import StageCosts, uniform_partition
 from steptune.pipeline.schedule import Action, ActionKind
@@ -28,7 +28,7 @@ from steptune.resilience.detect import (
     ResiHPDetector,
 )
 from steptune.resilience.predict import WorkloadPredictor, mape
-from steptune.resilience.workload import LENGTH_PRESETS, LengthDist, features, pack
+from steptune.resilience.workload import LENGTH_PRESETS, LengthDist, StageModel, features, pack
 
 __all__ = ["FailSlow", "FailStop", "JobSpec", "RunResult", "detector_scores", "simulate_run"]
 
@@ -89,22 +89,6 @@ class RunResult:
         return mape([p for p, _ in pairs], [o for _, o in pairs]) if pairs else float("nan")
 
 
-def _coefficients(layers: tuple[LayerSpec, ...]) -> dict[Phase, tuple[float, float]]:
-    out = {}
-    for ph in _PHASES:
-        lin = quad = 0.0
-        for layer in layers:
-            s = layer.num_tokens_scale
-            if ph is Phase.F:
-                lin, quad = lin + layer.f_flops_per_token * s, quad + layer.f_flops_per_token2 * s * s
-            elif ph is Phase.B:
-                lin, quad = lin + layer.b_flops_per_token * s, quad + layer.b_flops_per_token2 * s * s
-            else:
-                lin, quad = lin + layer.w_flops_per_token * s, quad + layer.w_flops_per_token2 * s * s
-        out[ph] = (lin, quad)
-    return out
-
-
 def simulate_run(
     job: JobSpec,
     steps: int,
@@ -119,7 +103,10 @@ def simulate_run(
     dist: LengthDist = LENGTH_PRESETS[job.lengths]
     part = uniform_partition(model.num_layers, job.pp)
     bounds = np.cumsum((0, *part))
-    coef = [_coefficients(model.layers[bounds[s] : bounds[s + 1]]) for s in range(job.pp)]
+    stages = [
+        StageModel(layers=model.layers[bounds[s] : bounds[s + 1]], device=device) for s in range(job.pp)
+    ]
+    coef = [{ph: sm.coefficients(ph) for ph in _PHASES} for sm in stages]
     flops_rate = device.peak_flops * job.efficiency * job.tp
     sched = one_f_one_b(job.pp, job.num_microbatches)
     fused = StageCosts.uniform(job.pp)  # durations come from the override below

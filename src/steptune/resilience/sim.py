@@ -315,7 +315,43 @@ class CheckpointRestart:
         return Decision(new, ctx.job.restart_cost_s, restart=True)
 
 
-class ResiHPPolicy:
+def _try_replan(
+    state: ClusterState, src: ExecutionPlan, duration_s: float, costs: ReconfigCosts
+) -> ExecutionPlan | None:
+    """``progressive_replan`` from ``src``, or None when no replica can survive."""
+    try:
+        return progressive_replan(state, src, expected_fault_duration_s=duration_s, reconfig_costs=costs)[0]
+    except ValueError:
+        return None
+
+
+class _Memoized:
+    """A policy whose decision depends only on (job, plan, observed speeds): decide once, reuse."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[SimJob, ExecutionPlan, tuple[float, ...]], Decision] = {}
+
+    def on_step(
+        self,
+        t: float,
+        step: int,
+        observed: tuple[float, ...],
+        plan: ExecutionPlan,
+        state: ClusterState,
+        ctx: SimContext,
+    ) -> Decision:
+        key = (ctx.job, plan, observed)
+        if key not in self._memo:
+            self._memo[key] = self._decide(observed, plan, state, ctx)
+        return self._memo[key]
+
+    def _decide(
+        self, observed: tuple[float, ...], plan: ExecutionPlan, state: ClusterState, ctx: SimContext
+    ) -> Decision:
+        raise NotImplementedError
+
+
+class ResiHPPolicy(_Memoized):
     """ResiHP: on a change in the detected speeds, ``progressive_replan`` and stall its reconfiguration.
 
     A detected fail-stop is a permanent fault; a fail-slow is expected to last ``expected_slow_s``
@@ -337,32 +373,18 @@ class ResiHPPolicy:
         self.detect_stop_steps = detect_stop_steps
         self.detect_slow_steps = detect_slow_steps
         self.expected_slow_s = expected_slow_s
-        self._memo: dict[tuple[SimJob, ExecutionPlan, tuple[float, ...]], Decision] = {}
+        super().__init__()
 
-    def on_step(
-        self,
-        t: float,
-        step: int,
-        observed: tuple[float, ...],
-        plan: ExecutionPlan,
-        state: ClusterState,
-        ctx: SimContext,
+    def _decide(
+        self, observed: tuple[float, ...], plan: ExecutionPlan, state: ClusterState, ctx: SimContext
     ) -> Decision:
-        key = (ctx.job, plan, observed)
-        if key not in self._memo:
-            used = [observed[d] for g in plan.tp_groups for d in g]
-            if min(used) >= 1.0:
-                self._memo[key] = self._readmit(plan, state, observed, ctx)
-            else:
-                dur = math.inf if min(used) <= 0 else self.expected_slow_s
-                try:
-                    new, _ = progressive_replan(
-                        state, plan, expected_fault_duration_s=dur, reconfig_costs=ctx.job.reconfig
-                    )
-                except ValueError:
-                    new = plan  # no replica survives: down until a human replaces devices
-                self._memo[key] = Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
-        return self._memo[key]
+        used = [observed[d] for g in plan.tp_groups for d in g]
+        if min(used) >= 1.0:
+            return self._readmit(plan, state, observed, ctx)
+        dur = math.inf if min(used) <= 0 else self.expected_slow_s
+        # No replan means no replica survives: down until a human replaces devices.
+        new = _try_replan(state, plan, dur, ctx.job.reconfig) or plan
+        return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
 
     def _readmit(
         self, plan: ExecutionPlan, state: ClusterState, observed: tuple[float, ...], ctx: SimContext
@@ -377,11 +399,8 @@ class ResiHPPolicy:
         in_plan = {d for g in plan.tp_groups for d in g}
         if not any(observed[d] >= 1.0 for d in base_devices - in_plan):
             return Decision(plan)
-        try:
-            new, _ = progressive_replan(
-                state, ctx.base_plan, expected_fault_duration_s=math.inf, reconfig_costs=ctx.job.reconfig
-            )
-        except ValueError:
+        new = _try_replan(state, ctx.base_plan, math.inf, ctx.job.reconfig)
+        if new is None:
             return Decision(plan)
         cost = reconfig_cost(plan, new, ctx.job.reconfig)
         t_now, t_new = estimate_step_time(state, plan), estimate_step_time(state, new)
@@ -390,7 +409,7 @@ class ResiHPPolicy:
         return Decision(replace(new, version=plan.version + 1), cost)
 
 
-class Oracle:
+class Oracle(_Memoized):
     """Sees every change at once and switches for free to the best simulated plan: an upper bound.
 
     Candidates: the current plan, and ``progressive_replan`` from the current and from the first plan
@@ -401,36 +420,18 @@ class Oracle:
     detect_stop_steps = 0.0
     detect_slow_steps = 0.0
 
-    def __init__(self) -> None:
-        self._memo: dict[tuple[SimJob, ExecutionPlan, tuple[float, ...]], Decision] = {}
-
-    def on_step(
-        self,
-        t: float,
-        step: int,
-        observed: tuple[float, ...],
-        plan: ExecutionPlan,
-        state: ClusterState,
-        ctx: SimContext,
+    def _decide(
+        self, observed: tuple[float, ...], plan: ExecutionPlan, state: ClusterState, ctx: SimContext
     ) -> Decision:
-        key = (ctx.job, plan, observed)
-        if key not in self._memo:
-            free = ReconfigCosts(tp_s=0.0, pp_s=0.0)
-            cands = [plan]
-            for src in (plan, ctx.base_plan):
-                for costs in (free, ctx.job.reconfig):
-                    try:
-                        cand, _ = progressive_replan(
-                            state, src, expected_fault_duration_s=math.inf, reconfig_costs=costs
-                        )
-                    except ValueError:
-                        continue
+        free = ReconfigCosts(tp_s=0.0, pp_s=0.0)
+        cands = [plan]
+        for src in (plan, ctx.base_plan):
+            for costs in (free, ctx.job.reconfig):
+                cand = _try_replan(state, src, math.inf, costs)
+                if cand is not None:
                     cands.append(cand)
-            best = min(cands, key=lambda p: ctx.step_time(p, observed))
-            if best != plan:
-                best = replace(best, version=plan.version + 1)
-            self._memo[key] = Decision(best)
-        return self._memo[key]
+        best = min(cands, key=lambda p: ctx.step_time(p, observed))
+        return Decision(best if best == plan else replace(best, version=plan.version + 1))
 
 
 # The run loop ------------------------------------------------------------------------------------

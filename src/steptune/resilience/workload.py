@@ -84,19 +84,25 @@ class StageModel:
     overhead: float = 0.0
     """Seconds per microbatch and phase independent of the workload (launches, fixed work)."""
 
-    def time(self, lengths: Sequence[int], phase: Phase | str) -> float:
-        n, q = features(lengths)
+    def coefficients(self, phase: Phase | str) -> tuple[float, float]:
+        """(FLOPs per token, FLOPs per token^2 of a sequence) of the stage's layers in ``phase``."""
         phase = Phase(phase)
         lin = quad = 0.0
         for layer in self.layers:
+            scale = layer.num_tokens_scale
             if phase is Phase.F:
-                lin += layer.f_flops_per_token * layer.num_tokens_scale
-                quad += layer.f_flops_per_token2 * layer.num_tokens_scale**2
+                lin += layer.f_flops_per_token * scale
+                quad += layer.f_flops_per_token2 * scale**2
             elif phase is Phase.B:
-                lin += layer.b_flops_per_token * layer.num_tokens_scale
-                quad += layer.b_flops_per_token2 * layer.num_tokens_scale**2
+                lin += layer.b_flops_per_token * scale
+                quad += layer.b_flops_per_token2 * scale**2
             else:
-                lin += layer.w_flops_per_token * layer.num_tokens_scale
-                quad += layer.w_flops_per_token2 * layer.num_tokens_scale**2
+                lin += layer.w_flops_per_token * scale
+                quad += layer.w_flops_per_token2 * scale**2
+        return lin, quad
+
+    def time(self, lengths: Sequence[int], phase: Phase | str) -> float:
+        n, q = features(lengths)
+        lin, quad = self.coefficients(phase)
         flops = (lin * n + quad * q) / self.tp
         return self.overhead + compute_time(flops, self.device, efficiency=self.efficiency)
