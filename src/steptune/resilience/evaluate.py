@@ -209,8 +209,10 @@ def detector_scores(
         for name, alarms in res.alarms.items():
             st = stats.setdefault(name, {"detected": [], "false": [], "latency": [], "eligible": []})
             relevant = (name == "heartbeat") == (kind == "fail-stop")
-            hits = [a for a in alarms if a.unit == unit and onset <= a.step <= onset + detect_within]
-            false = [a for a in alarms if not (a.unit == unit and a.step >= onset)]
+            # A detector that cannot localize (unit None, e.g. change-point on step time) hits when
+            # it alarms inside the window after the onset.
+            hits = [a for a in alarms if a.unit in (unit, None) and onset <= a.step <= onset + detect_within]
+            false = [a for a in alarms if not (a.unit in (unit, None) and a.step >= onset)]
             st["false"].append(len(false))
             if relevant:
                 st["eligible"].append(1)

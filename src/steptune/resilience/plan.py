@@ -25,7 +25,7 @@ import heapq
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -45,6 +45,7 @@ __all__ = [
     "plan_pp",
     "plan_tp",
     "progressive_replan",
+    "rebalanced",
     "should_apply",
 ]
 
@@ -480,6 +481,15 @@ def estimate_step_time(state: ClusterState, plan: ExecutionPlan) -> float:
     """Modelled step time of ``plan`` (module docstring); inf if it uses a dead device or a stage OOMs."""
     tp = [[plan.group(r, s) for s in range(plan.num_stages)] for r in range(plan.num_replicas)]
     return _step_time(state, tp, plan.layer_partition, plan.microbatches)
+
+
+def rebalanced(state: ClusterState, plan: ExecutionPlan) -> ExecutionPlan:
+    """``plan`` with the microbatch counts that minimize the modelled step (same version if unchanged)."""
+    tp = [[plan.group(r, s) for s in range(plan.num_stages)] for r in range(plan.num_replicas)]
+    counts, t = _rebalance(state, tp, plan.layer_partition, sum(plan.microbatches))
+    if tuple(counts) == plan.microbatches or math.isinf(t):
+        return plan
+    return replace(plan, version=plan.version + 1, microbatches=tuple(counts))
 
 
 def initial_plan(

@@ -60,6 +60,9 @@ __all__ = [
     "SimContext",
     "SimJob",
     "SimResult",
+    "StepTimeHook",
+    "layer_phase_times",
+    "pipeline_time",
     "reconfig_cost",
     "run",
 ]
@@ -141,6 +144,13 @@ class SimContext:
     healthy_step_s: float
     step_time: Callable[[ExecutionPlan, tuple[float, ...]], float] = field(repr=False)
     """Simulated step time of a plan under given speeds (what the Oracle optimizes)."""
+    layer_f: tuple[float, ...] = field(default=(), repr=False)
+    """Per layer: forward seconds of one microbatch on one healthy device (then B and W)."""
+    layer_b: tuple[float, ...] = field(default=(), repr=False)
+    layer_w: tuple[float, ...] = field(default=(), repr=False)
+    gpus_per_node: int = 8
+    state: Callable[[tuple[float, ...]], ClusterState] | None = field(default=None, repr=False)
+    """The planner's view of the cluster under given speeds."""
 
 
 class Policy(Protocol):
@@ -159,6 +169,20 @@ class Policy(Protocol):
         state: ClusterState,
         ctx: SimContext,
     ) -> Decision: ...
+
+
+class StepTimeHook(Protocol):
+    """Optional: a policy whose mechanism is not a plan change (ReCycle's rerouting, Adaptra's
+    rescheduling) prices its own steps. inf: the plan cannot step."""
+
+    def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float: ...
+
+
+def _policy_step_time(policy: Policy, ctx: SimContext) -> Callable[[ExecutionPlan, tuple[float, ...]], float]:
+    hook = getattr(policy, "step_time", None)
+    if hook is None:
+        return ctx.step_time
+    return lambda plan, speeds: float(hook(plan, speeds, ctx))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,52 +212,72 @@ class SimResult:
 # Cost model --------------------------------------------------------------------------------------
 
 
-def _layer_times(job: SimJob) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int]:
-    """Per layer: forward and backward (B + W) seconds on one healthy device, bytes; and the heads."""
+def layer_phase_times(job: SimJob) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Per layer: F, B (input gradient) and W (weight gradient) seconds of one microbatch, one device."""
     model = model_preset(job.model)
     rate = cluster_preset(job.cluster).device.peak_flops * job.efficiency
     n = job.tokens_per_microbatch
-    fwd = tuple(max(x.flops(n, Phase.F) / rate, _MIN_LAYER_S) for x in model.layers)
-    bwd = tuple(max((x.flops(n, Phase.B) + x.flops(n, Phase.W)) / rate, _MIN_LAYER_S) for x in model.layers)
+    f, b, w = (
+        tuple(max(x.flops(n, ph) / rate, _MIN_LAYER_S / 2) for x in model.layers)
+        for ph in (Phase.F, Phase.B, Phase.W)
+    )
+    return f, b, w
+
+
+def _layer_times(job: SimJob) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int]:
+    """Per layer: forward and backward (B + W) seconds on one healthy device, bytes; and the heads."""
+    model = model_preset(job.model)
+    f, b, w = layer_phase_times(job)
+    fwd = tuple(max(x, _MIN_LAYER_S) for x in f)
+    bwd = tuple(max(x + y, _MIN_LAYER_S) for x, y in zip(b, w, strict=True))
     nbytes = tuple(x.params * _BYTES_PER_PARAM for x in model.layers)
     return fwd, bwd, nbytes, int(model.config.get("num_attention_heads", 1))
+
+
+def pipeline_time(f: list[float] | tuple[float, ...], b: list[float] | tuple[float, ...], m: int) -> float:
+    """1F1B makespan of ``m`` microbatches over stages with F and fused-backward seconds ``f``, ``b``."""
+    if m <= 0:
+        return 0.0
+    zero = (0.0,) * len(f)
+    costs = StageCosts(f=tuple(f), i=tuple(b), w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
+    return simulate(one_f_one_b(len(f), m), costs, with_spans=False).makespan
 
 
 def _make_step_time(
     fwd: tuple[float, ...], bwd: tuple[float, ...]
 ) -> Callable[[ExecutionPlan, tuple[float, ...]], float]:
-    cache: dict[tuple[ExecutionPlan, tuple[float, ...]], float] = {}
+    """Step time = slowest replica's 1F1B makespan; cached per replica (groups, partition, count, speeds),
+    so plans that differ in one replica's microbatch count re-simulate only that replica."""
+    cache: dict[tuple[object, ...], float] = {}
 
-    def step_time(plan: ExecutionPlan, speeds: tuple[float, ...]) -> float:
-        key = (plan, tuple(speeds[d] for g in plan.tp_groups for d in g))
+    def replica_time(
+        groups: tuple[tuple[int, ...], ...], part: tuple[int, ...], m: int, speeds: tuple[float, ...]
+    ) -> float:
+        key = (groups, part, m, tuple(speeds[d] for g in groups for d in g))
         if key not in cache:
-            cache[key] = _step_time(plan, speeds, fwd, bwd)
+            f, b, start = [], [], 0
+            for g, n in zip(groups, part, strict=True):
+                speed = len(g) * min(speeds[d] for d in g)
+                if speed <= 0:
+                    cache[key] = math.inf
+                    return math.inf
+                f.append(sum(fwd[start : start + n]) / speed)
+                b.append(sum(bwd[start : start + n]) / speed)
+                start += n
+            cache[key] = pipeline_time(f, b, m)
         return cache[key]
 
+    def step_time(plan: ExecutionPlan, speeds: tuple[float, ...]) -> float:
+        num_s = plan.num_stages
+        out = 0.0
+        for r, (part, m) in enumerate(zip(plan.layer_partition, plan.microbatches, strict=True)):
+            if m == 0:
+                continue
+            groups = plan.tp_groups[r * num_s : (r + 1) * num_s]
+            out = max(out, replica_time(groups, part, m, speeds))
+        return out
+
     return step_time
-
-
-def _step_time(
-    plan: ExecutionPlan, speeds: tuple[float, ...], fwd: tuple[float, ...], bwd: tuple[float, ...]
-) -> float:
-    out = 0.0
-    num_s = plan.num_stages
-    for r, (part, m) in enumerate(zip(plan.layer_partition, plan.microbatches, strict=True)):
-        if m == 0:
-            continue
-        f, b, start = [], [], 0
-        for s, n in enumerate(part):
-            g = plan.group(r, s)
-            speed = len(g) * min(speeds[d] for d in g)
-            if speed <= 0:
-                return math.inf
-            f.append(sum(fwd[start : start + n]) / speed)
-            b.append(sum(bwd[start : start + n]) / speed)
-            start += n
-        zero = (0.0,) * num_s
-        costs = StageCosts(f=tuple(f), i=tuple(b), w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
-        out = max(out, simulate(one_f_one_b(num_s, m), costs, with_spans=False).makespan)
-    return out
 
 
 def reconfig_cost(old: ExecutionPlan, new: ExecutionPlan, costs: ReconfigCosts) -> float:
@@ -474,8 +518,28 @@ def run(
     )
     step_time = _make_step_time(fwd, bwd)
     healthy = step_time(base, ones)
-    ctx = SimContext(job=job, base_plan=base, healthy_step_s=healthy, step_time=step_time)
-    delays = (policy.detect_stop_steps * healthy, policy.detect_slow_steps * healthy)
+    lf, lb, lw = layer_phase_times(job)
+    ctx = SimContext(
+        job=job,
+        base_plan=base,
+        healthy_step_s=healthy,
+        step_time=step_time,
+        layer_f=lf,
+        layer_b=lb,
+        layer_w=lw,
+        gpus_per_node=cluster_preset(job.cluster).gpus_per_node,
+        state=cluster_state,
+    )
+    delays = (
+        policy.detect_stop_steps * healthy,
+        policy.detect_slow_steps * healthy + float(getattr(policy, "detect_slow_delay_s", 0.0)),
+    )
+    reset = getattr(policy, "reset", None)
+    if reset is not None:
+        reset()  # a policy with per-run state starts afresh
+    priced = _policy_step_time(policy, ctx)
+    # Expected validation stall of false fail-slow alarms per step (Greyhound: ~1.5 s per alarm).
+    overhead = float(getattr(policy, "false_alarm_s_per_step", 0.0))
     # Every moment the truth or the policy's view can change: where a halted job resumes looking.
     edges = [x for f in failures for x in (f.start_s, f.end_s)]
     changes = sorted({x + d for x in edges for d in (0.0, *delays)} - {math.inf})
@@ -499,7 +563,7 @@ def run(
                 good_steps, since_ckpt_s, ckpt_t = ckpt_step, 0.0, t
             continue  # the world may have changed during the stall
         truth = tuple(_speeds(failures, n, t, (0.0, 0.0)))
-        st = step_time(plan, truth)
+        st = priced(plan, truth)
         if math.isinf(st):
             resume = min((x for x in changes if x > t), default=duration_s)
             halted += min(resume, duration_s) - t
@@ -518,6 +582,7 @@ def run(
             lost += abort - t
             t = abort
             continue
+        st += overhead
         if t + st > duration_s:
             break  # a step cut off by the end of the run counts for nothing
         timeline.append((t, st, plan.version))
