@@ -3,9 +3,10 @@
 Each is a ``sim.Policy``; docs/resilience.md lists every fidelity choice. In brief:
 
 - ``ReCycle`` (SOSP'24): a fail-stop loses the whole stage worker (its TP group); the stage's
-  microbatches are rerouted to the same stage of the DP peers, whose extra work fills their 1F1B
-  bubbles (decoupled backprop, staggered optimizer) up to ``absorb`` x the idle time. A stage with
-  no surviving peer forces a checkpoint restart. Blind to fail-slow.
+  microbatches are rerouted to the same stage of the DP peers. Their forward and input-gradient
+  work runs in the peers' steady state; the weight gradients are deferred into the 1F1B bubbles
+  (decoupled backprop) up to ``absorb`` x the idle time. A stage with no surviving peer forces a
+  checkpoint restart. Blind to fail-slow.
 - ``Oobleck`` (SOSP'23): node-granular loss (the failed device's whole node leaves), the hit pipeline
   is re-instantiated from a template on its remaining devices (same stages, the largest power-of-two
   TP degree that fits heads and memory, a balanced partition), the global batch is redistributed by
@@ -25,6 +26,7 @@ Each is a ``sim.Policy``; docs/resilience.md lists every fidelity choice. In bri
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -44,12 +46,24 @@ from steptune.resilience.plan import (
 from steptune.resilience.sim import (
     CheckpointRestart,
     Decision,
+    Oracle,
     SimContext,
     pipeline_time,
     reconfig_cost,
 )
 
-__all__ = ["Adaptra", "Greyhound", "MalleusLite", "Oobleck", "ReCycle", "Strengthened", "baseline"]
+__all__ = [
+    "Adaptra",
+    "Greyhound",
+    "MalleusLite",
+    "Oobleck",
+    "ReCycle",
+    "Strengthened",
+    "adaptra_step_time",
+    "baseline",
+    "oracle",
+    "recycle_step_time",
+]
 
 _INF = math.inf
 Price = Callable[[ExecutionPlan], float]
@@ -173,35 +187,51 @@ class ReCycle:
         return self._cache[key]
 
     def _step(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
-        num_r, num_s = plan.num_replicas, plan.num_stages
-        alive = [self._alive_replicas(plan, s, speeds) for s in range(num_s)]
-        if any(not a for a in alive):
-            return _INF
-        costs = [_stage_costs(plan, r, speeds, ctx) for r in range(num_r)]
-        # Microbatches of dead stage workers, shared evenly by the surviving peers of that stage.
-        extra = [
-            sum(plan.microbatches[r] for r in range(num_r) if r not in alive[s]) / len(alive[s])
-            for s in range(num_s)
-        ]
-        out = 0.0
-        for r in range(num_r):
-            f = list(costs[r][0])
-            b = [x + y for x, y in zip(costs[r][1], costs[r][2], strict=True)]  # fused B + W
-            fb = [x + y for x, y in zip(f, b, strict=True)]
-            # A dead stage's work for r's own microbatches runs on peers: price it at their mean.
-            for s in range(num_s):
-                if math.isinf(f[s]):
-                    f[s] = sum(costs[p][0][s] for p in alive[s]) / len(alive[s])
-                    b[s] = sum(costs[p][1][s] + costs[p][2][s] for p in alive[s]) / len(alive[s])
-            m = plan.microbatches[r]
-            base = pipeline_time(f, b, m)
-            over = 0.0
-            for s in range(num_s):
-                if r in alive[s] and extra[s] > 0:
-                    idle = base - m * fb[s]
-                    over = max(over, extra[s] * fb[s] - self.absorb * idle)
-            out = max(out, base + over)
-        return out
+        return recycle_step_time(plan, speeds, ctx, absorb=self.absorb)
+
+
+def recycle_step_time(
+    plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext, *, absorb: float = 1.0
+) -> float:
+    """ReCycle's step with every dead stage worker's microbatches rerouted to its DP peers."""
+    if not _dead(plan, speeds):
+        return ctx.step_time(plan, speeds)  # nothing rerouted: the plain 1F1B step
+    num_r, num_s = plan.num_replicas, plan.num_stages
+    alive = [ReCycle._alive_replicas(plan, s, speeds) for s in range(num_s)]
+    if any(not a for a in alive):
+        return _INF
+    costs = [_stage_costs(plan, r, speeds, ctx) for r in range(num_r)]
+    # Microbatches of dead stage workers, shared evenly by the surviving peers of that stage.
+    extra = [
+        sum(plan.microbatches[r] for r in range(num_r) if r not in alive[s]) / len(alive[s])
+        for s in range(num_s)
+    ]
+    out = 0.0
+    for r in range(num_r):
+        f = list(costs[r][0])
+        b = list(costs[r][1])
+        w = list(costs[r][2])
+        # A dead stage's work for r's own microbatches runs on peers: price it at their mean.
+        for s in range(num_s):
+            if math.isinf(f[s]):
+                for mine, k in ((f, 0), (b, 1), (w, 2)):
+                    mine[s] = sum(costs[p][k][s] for p in alive[s]) / len(alive[s])
+        m = plan.microbatches[r]
+        if m == 0:
+            continue
+        # Rerouted microbatches' F and input-gradient B run in the peer's steady state (stretching
+        # its per-microbatch time); their weight gradients W are deferred into the bubbles.
+        e = [extra[s] if r in alive[s] else 0.0 for s in range(num_s)]
+        fs = [f[s] * (m + e[s]) / m for s in range(num_s)]
+        bs = [(m * (b[s] + w[s]) + e[s] * b[s]) / m for s in range(num_s)]
+        base = pipeline_time(fs, bs, m)
+        over = 0.0
+        for s in range(num_s):
+            if e[s] > 0:
+                idle = base - m * (fs[s] + bs[s])
+                over = max(over, e[s] * w[s] - absorb * idle)
+        out = max(out, base + over)
+    return out
 
 
 # Oobleck -----------------------------------------------------------------------------------------
@@ -420,7 +450,6 @@ class Adaptra:
 
     def reset(self) -> None:
         self._adapted = False
-        self._cache: dict[tuple[ExecutionPlan, tuple[float, ...], bool], float] = {}
 
     def on_step(
         self,
@@ -439,28 +468,53 @@ class Adaptra:
     def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
         if _dead(plan, speeds):
             return _INF
-        key = (plan, tuple(speeds[d] for g in plan.tp_groups for d in g), self._adapted)
-        if key not in self._cache:
-            out = 0.0
-            for r in range(plan.num_replicas):
-                f, b, w = _stage_costs(plan, r, speeds, ctx)
-                fb = [x + y for x, y in zip(b, w, strict=True)]
-                m = plan.microbatches[r]
-                t = pipeline_time(f, fb, m)
-                if self._adapted and m > 0:
-                    n = len(f)
-                    zero = (0.0,) * n
-                    costs = StageCosts(
-                        f=tuple(f), i=tuple(fb), w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero
-                    )
-                    for extra in range(1, self.max_extra + 1):
-                        sched = list_schedule(
-                            costs, tuple(range(n)), m, ListPolicy(extra_inflight=extra, split_backward=False)
-                        )
-                        t = min(t, simulate(sched, costs, with_spans=False).makespan)
-                out = max(out, t)
-            self._cache[key] = out
-        return self._cache[key]
+        if not self._adapted:
+            return ctx.step_time(plan, speeds)
+        out = 0.0
+        for r in range(plan.num_replicas):
+            f, b, w = _stage_costs(plan, r, speeds, ctx)
+            fb = tuple(x + y for x, y in zip(b, w, strict=True))
+            out = max(out, self._replica(tuple(f), fb, plan.microbatches[r]))
+        return out
+
+    def _replica(self, f: tuple[float, ...], fb: tuple[float, ...], m: int) -> float:
+        return _rescheduled(f, fb, m, self.max_extra)
+
+
+@functools.lru_cache(maxsize=8192)
+def _rescheduled(f: tuple[float, ...], fb: tuple[float, ...], m: int, max_extra: int) -> float:
+    """Best of 1F1B and deeper warm-ups (list schedules) for one replica's stage times."""
+    t = pipeline_time(f, fb, m)
+    slowest = max(x + y for x, y in zip(f, fb, strict=True))
+    fastest = min(x + y for x, y in zip(f, fb, strict=True))
+    if m > 0 and slowest > fastest * (1 + 1e-9):  # equal stages: nothing to absorb
+        n = len(f)
+        zero = (0.0,) * n
+        costs = StageCosts(f=f, i=fb, w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
+        for extra in range(1, max_extra + 1):
+            sched = list_schedule(
+                costs, tuple(range(n)), m, ListPolicy(extra_inflight=extra, split_backward=False)
+            )
+            t = min(t, simulate(sched, costs, with_spans=False).makespan)
+    return t
+
+
+def adaptra_step_time(plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
+    """Adaptra's rescheduled step (no device, layer or batch change)."""
+    if _dead(plan, speeds):
+        return _INF
+    out = 0.0
+    for r in range(plan.num_replicas):
+        f, b, w = _stage_costs(plan, r, speeds, ctx)
+        fb = tuple(x + y for x, y in zip(b, w, strict=True))
+        out = max(out, _rescheduled(tuple(f), fb, plan.microbatches[r], 3))
+    return out
+
+
+def oracle() -> Oracle:
+    """The bound for the bench: best plan, priced at the best of 1F1B, ReCycle's rerouting and
+    Adaptra's rescheduling, every change seen at once and switched for free."""
+    return Oracle(extra_prices=(recycle_step_time, adaptra_step_time))
 
 
 # Strengthened ReCycle / Oobleck ------------------------------------------------------------------

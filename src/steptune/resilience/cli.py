@@ -1,4 +1,5 @@
-"""`steptune resilience` verbs: detect (simulated scoring), trace (the real straggler trace)."""
+"""`steptune resilience` verbs: detect (simulated scoring), trace (the real straggler trace),
+simulate (one scenario, one or every policy) and bench (every policy on the 256-GPU scenarios)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["register"]
-
-_PENDING = "planner, baseline policies and the 256-GPU simulator are not built yet (issue #7)"
 
 
 def _detect(args: argparse.Namespace) -> int:
@@ -55,17 +54,108 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pending(args: argparse.Namespace) -> int:
-    print(f"steptune resilience {args.verb}: {_PENDING}; nothing was run.", file=sys.stderr)
-    return 2
+def _simulate(args: argparse.Namespace) -> int:
+    from steptune.core.report import Table
+    from steptune.resilience.bench import POLICIES, DetectorCosts, job_for, make_policies
+    from steptune.resilience.scenarios import KINDS, generate, read_csv
+    from steptune.resilience.sim import run
+
+    job = job_for(args.model)
+    if args.scenario in KINDS:
+        failures = generate(
+            args.scenario, num_devices=job.num_devices, duration_s=args.duration, seed=args.seed
+        )
+    elif Path(args.scenario).is_file():
+        try:
+            failures = read_csv(Path(args.scenario), num_devices=job.num_devices)
+        except ValueError as e:
+            print(f"steptune resilience simulate: {e}", file=sys.stderr)
+            return 2
+    else:
+        print(
+            f"steptune resilience simulate: --scenario {args.scenario!r} is neither a CSV file nor one of "
+            f"{', '.join(KINDS)}",
+            file=sys.stderr,
+        )
+        return 2
+    names = POLICIES if args.policy == "all" else (args.policy,)
+    makers = make_policies(DetectorCosts())
+    unknown = [n for n in names if n not in makers]
+    if unknown:
+        print(
+            f"steptune resilience simulate: unknown policy {unknown[0]!r}; choose all or one of "
+            f"{', '.join(POLICIES)}",
+            file=sys.stderr,
+        )
+        return 2
+    table = Table(
+        title=f"{args.model} TP{job.tp} PP{job.pp} DP{job.dp} ({job.num_devices} GPUs), "
+        f"{args.scenario}: {len(failures)} failures in {args.duration:.0f} s",
+        columns=["policy", "tokens/s", "stall s", "lost s", "halted s", "plans"],
+    )
+    results = {}
+    for name in names:
+        r = run(job, makers[name](), failures, args.duration)
+        results[name] = {
+            "tokens_per_s": r.tokens_per_s,
+            "stall_s": r.stall_s,
+            "lost_s": r.lost_s,
+            "halted_s": r.halted_s,
+            "log": list(r.log),
+        }
+        table.add(name, r.tokens_per_s, r.stall_s, r.lost_s, r.halted_s, len(r.log))
+        if args.verbose:
+            for line in r.log:
+                print(f"  {name}: {line}")
+    table.notes.append("SIMULATED (docs/resilience.md lists the assumptions)")
+    table.print()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {
+                    "scenario": args.scenario,
+                    "model": args.model,
+                    "failures": [f.__repr__() for f in failures],
+                    "policies": results,
+                },
+                indent=1,
+            )
+        )
+        print(f"wrote: {args.json}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from steptune.resilience.bench import BenchConfig, quick_config, run_bench
+    from steptune.resilience.report import plot_bench, print_bench
+
+    cfg = (
+        quick_config(workers=args.workers)
+        if args.quick
+        else BenchConfig(seeds=tuple(range(args.seeds)), workers=args.workers)
+    )
+    res = run_bench(cfg, progress=lambda m: print(m, flush=True))
+    print_bench(res)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=1, allow_nan=False, default=_json_safe))
+    print(f"wrote: {args.json}")
+    if args.plot:
+        plot_bench(res, args.plot)
+        print(f"wrote: {args.plot}")
+    return 0
+
+
+def _json_safe(o: Any) -> Any:
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "resilience",
-        help="ResiHP: workload-aware failure detection (planner not yet built)",
-        description="ResiHP: workload-aware failure prediction and detection. Built: the "
-        f"predictor and detectors (detect, trace). Not built: {_PENDING}.",
+        help="ResiHP: workload-aware failure detection and hybrid-parallel adaptation (simulated)",
+        description="ResiHP: workload-aware failure prediction and detection, progressive TP/PP/DP "
+        "replanning, and a 256-GPU cluster simulator with faithful baselines. All figures are SIMULATED.",
     )
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     d = verbs.add_parser("detect", help="score detectors on simulated runs with injected failures")
@@ -81,6 +171,29 @@ def register(sub: Any) -> None:
     t = verbs.add_parser("trace", help="replay the real 128-GPU straggler trace through every detector")
     t.add_argument("--path", type=Path, default=None, help="trace parquet (default: the shared copy)")
     t.set_defaults(func=_trace)
-    for verb in ("simulate", "bench"):
-        v = verbs.add_parser(verb, help=f"not built yet: {_PENDING}")
-        v.set_defaults(func=_pending)
+    sim = verbs.add_parser("simulate", help="one failure scenario on the 256-GPU job, one or every policy")
+    sim.add_argument(
+        "--scenario",
+        default="mixed",
+        help="a CSV trace (kind,device,start_s,duration_s,factor) "
+        "or a generated kind: fail-stop, fail-slow-weak|medium|strong, mixed",
+    )
+    sim.add_argument(
+        "--policy",
+        default="all",
+        help="all, or one of resihp, recycle, oobleck, greyhound, "
+        "adaptra, strengthened-recycle, strengthened-oobleck, malleus-lite, ckpt-restart, noop, oracle",
+    )
+    sim.add_argument("--model", default="llama2-13b")
+    sim.add_argument("--duration", type=float, default=7200.0, help="simulated seconds")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--verbose", action="store_true", help="print every plan change")
+    sim.add_argument("--json", type=Path, default=None)
+    sim.set_defaults(func=_simulate)
+    b = verbs.add_parser("bench", help="every policy on the same simulated 256-GPU scenarios (JSON, table)")
+    b.add_argument("--quick", action="store_true", help="2 models x 3 kinds x 1 h: under a minute")
+    b.add_argument("--seeds", type=int, default=1, help="scenarios per (model, kind) in the full bench")
+    b.add_argument("--workers", type=int, default=2, help="processes")
+    b.add_argument("--json", type=Path, required=True)
+    b.add_argument("--plot", type=Path, default=None, help="PNG of the ratios per scenario kind")
+    b.set_defaults(func=_bench)

@@ -46,6 +46,7 @@ from steptune.resilience.plan import (
     estimate_step_time,
     initial_plan,
     progressive_replan,
+    rebalanced,
     should_apply,
 )
 
@@ -253,16 +254,16 @@ def _make_step_time(
     def replica_time(
         groups: tuple[tuple[int, ...], ...], part: tuple[int, ...], m: int, speeds: tuple[float, ...]
     ) -> float:
-        key = (groups, part, m, tuple(speeds[d] for g in groups for d in g))
+        # Keyed by what the time depends on (stage throughputs), so healthy replicas share entries.
+        stage_speeds = tuple(len(g) * min(speeds[d] for d in g) for g in groups)
+        if min(stage_speeds) <= 0:
+            return math.inf
+        key = (part, m, stage_speeds)
         if key not in cache:
             f, b, start = [], [], 0
-            for g, n in zip(groups, part, strict=True):
-                speed = len(g) * min(speeds[d] for d in g)
-                if speed <= 0:
-                    cache[key] = math.inf
-                    return math.inf
-                f.append(sum(fwd[start : start + n]) / speed)
-                b.append(sum(bwd[start : start + n]) / speed)
+            for v, n in zip(stage_speeds, part, strict=True):
+                f.append(sum(fwd[start : start + n]) / v)
+                b.append(sum(bwd[start : start + n]) / v)
                 start += n
             cache[key] = pipeline_time(f, b, m)
         return cache[key]
@@ -426,8 +427,25 @@ class ResiHPPolicy(_Memoized):
         if min(used) >= 1.0:
             return self._readmit(plan, state, observed, ctx)
         dur = math.inf if min(used) <= 0 else self.expected_slow_s
-        # No replan means no replica survives: down until a human replaces devices.
-        new = _try_replan(state, plan, dur, ctx.job.reconfig) or plan
+        # Candidates: the gated progressive plan and the ungated one; the iteration-time predictor
+        # (the pipeline simulator's critical path, not the planner's closed form) and the ski-rental
+        # horizon pick among them. No candidate means no replica survives: down until devices return.
+        cands = [plan]
+        for costs, horizon in ((ctx.job.reconfig, dur), (ReconfigCosts(tp_s=0.0, pp_s=0.0), math.inf)):
+            cand = _try_replan(state, plan, horizon, costs)
+            if cand is not None and cand not in cands:
+                cands.append(cand)
+        t_now = ctx.step_time(plan, observed)
+
+        def total(c: ExecutionPlan) -> tuple[float, float]:
+            t_c, cost = ctx.step_time(c, observed), reconfig_cost(plan, c, ctx.job.reconfig)
+            if math.isinf(dur) or math.isinf(t_now):
+                return (t_c, cost)
+            return (cost + dur / t_now * t_c, 0.0)  # seconds to run the fault's steps
+
+        new = min(cands, key=total)
+        if new is not plan and new.version == plan.version:
+            new = replace(new, version=plan.version + 1)
         return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
 
     def _readmit(
@@ -442,6 +460,10 @@ class ResiHPPolicy(_Memoized):
         base_devices = {d for g in ctx.base_plan.tp_groups for d in g}
         in_plan = {d for g in plan.tp_groups for d in g}
         if not any(observed[d] >= 1.0 for d in base_devices - in_plan):
+            # Nothing to take back; counts skewed for a fault that has ended go back to balance.
+            new = rebalanced(state, plan)
+            if new != plan and ctx.step_time(new, observed) < ctx.step_time(plan, observed):
+                return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
             return Decision(plan)
         new = _try_replan(state, ctx.base_plan, math.inf, ctx.job.reconfig)
         if new is None:
@@ -453,28 +475,49 @@ class ResiHPPolicy(_Memoized):
         return Decision(replace(new, version=plan.version + 1), cost)
 
 
+PriceFn = Callable[[ExecutionPlan, tuple[float, ...], SimContext], float]
+
+
 class Oracle(_Memoized):
     """Sees every change at once and switches for free to the best simulated plan: an upper bound.
 
     Candidates: the current plan, and ``progressive_replan`` from the current and from the first plan
-    (so recovered devices come back), each with free and with the job's reconfiguration costs.
+    (so recovered devices come back), each with free and with the job's reconfiguration costs. With
+    ``extra_prices`` (other mechanisms' step times, e.g. ReCycle's rerouting or Adaptra's
+    rescheduling, from ``baselines.oracle``) a plan runs at the best of all of them, so the bound
+    also covers policies whose mechanism is not a plan change.
     """
 
     name = "oracle"
     detect_stop_steps = 0.0
     detect_slow_steps = 0.0
 
+    def __init__(self, *, extra_prices: tuple[PriceFn, ...] = ()) -> None:
+        super().__init__()
+        self.extra_prices = extra_prices
+        self._prices: dict[tuple[ExecutionPlan, tuple[float, ...]], float] = {}
+
+    def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
+        if not self.extra_prices:
+            return ctx.step_time(plan, speeds)
+        key = (plan, tuple(speeds[d] for g in plan.tp_groups for d in g))
+        if key not in self._prices:
+            self._prices[key] = min(
+                ctx.step_time(plan, speeds), *(float(f(plan, speeds, ctx)) for f in self.extra_prices)
+            )
+        return self._prices[key]
+
     def _decide(
         self, observed: tuple[float, ...], plan: ExecutionPlan, state: ClusterState, ctx: SimContext
     ) -> Decision:
         free = ReconfigCosts(tp_s=0.0, pp_s=0.0)
-        cands = [plan]
+        cands = [plan, ctx.base_plan]
         for src in (plan, ctx.base_plan):
             for costs in (free, ctx.job.reconfig):
                 cand = _try_replan(state, src, math.inf, costs)
                 if cand is not None:
                     cands.append(cand)
-        best = min(cands, key=lambda p: ctx.step_time(p, observed))
+        best = min(cands, key=lambda p: self.step_time(p, observed, ctx))
         return Decision(best if best == plan else replace(best, version=plan.version + 1))
 
 

@@ -1,0 +1,126 @@
+"""Failure scenarios for the cluster simulator: a seeded generator, named presets and CSV traces.
+
+Kinds (rates as in ResiHP's evaluation, which injects a failure every 30 minutes, and Greyhound's
+fail-slow statistics):
+- ``fail-stop``: device deaths, exponential gaps with mean ``stop_every_s`` (default 30 min).
+- ``fail-slow-weak|medium|strong``: compute slowdowns of 1.25x, 1.5x, 2.5x (speed factors 0.8, 0.667,
+  0.4); onsets with exponential gaps of mean ``slow_every_s`` (20 min), lognormal durations with
+  median ``slow_median_s`` (15 min) and sigma 1 (a heavy tail into hours), truncated to [2 min, 3 h].
+- ``mixed``: fail-stops every hour plus medium fail-slows every 20 minutes.
+
+CSV traces have one row per failure: ``kind,device,start_s,duration_s,factor`` (duration ``inf``
+for a fail-stop or a persistent fail-slow), as in Oobleck's simulator traces but per device.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from steptune.resilience.sim import FailureEvent
+
+__all__ = ["KINDS", "SEVERITY", "generate", "read_csv", "write_csv"]
+
+SEVERITY = {"weak": 1 / 1.25, "medium": 1 / 1.5, "strong": 1 / 2.5}
+"""Speed factor of a fail-slow of each severity."""
+KINDS = ("fail-stop", "fail-slow-weak", "fail-slow-medium", "fail-slow-strong", "mixed")
+_FIELDS = ("kind", "device", "start_s", "duration_s", "factor")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rates:
+    stop_every_s: float = 1800.0
+    slow_every_s: float = 1200.0
+    slow_median_s: float = 900.0
+    mixed_stop_every_s: float = 3600.0
+
+
+def _arrivals(rng: np.random.Generator, mean_gap: float, duration_s: float) -> list[float]:
+    out, t = [], 0.0
+    while True:
+        t += float(rng.exponential(mean_gap))
+        if t >= duration_s:
+            return out
+        out.append(t)
+
+
+def generate(
+    kind: str, *, num_devices: int, duration_s: float, seed: int = 0, rates: Rates | None = None
+) -> tuple[FailureEvent, ...]:
+    """Failures of one ``kind`` (``KINDS``) over ``duration_s`` on devices ``0..num_devices-1``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown scenario kind {kind!r}; choose one of {KINDS}")
+    if num_devices < 1 or duration_s <= 0:
+        raise ValueError("need num_devices >= 1 and duration_s > 0")
+    rates = rates or Rates()
+    rng = np.random.default_rng(seed)
+    out: list[FailureEvent] = []
+    dead: set[int] = set()
+
+    def stops(every: float) -> None:
+        for t in _arrivals(rng, every, duration_s):
+            alive = [d for d in range(num_devices) if d not in dead]
+            if len(alive) <= 1:
+                return
+            d = int(rng.choice(alive))
+            dead.add(d)
+            out.append(FailureEvent(kind="fail-stop", device=d, start_s=round(t, 1)))
+
+    def slows(factor: float) -> None:
+        for t in _arrivals(rng, rates.slow_every_s, duration_s):
+            dur = float(np.clip(rng.lognormal(math.log(rates.slow_median_s), 1.0), 120.0, 3 * 3600.0))
+            d = int(rng.integers(num_devices))
+            out.append(
+                FailureEvent(
+                    kind="fail-slow", device=d, start_s=round(t, 1), duration_s=round(dur, 1), factor=factor
+                )
+            )
+
+    if kind == "fail-stop":
+        stops(rates.stop_every_s)
+    elif kind == "mixed":
+        stops(rates.mixed_stop_every_s)
+        slows(SEVERITY["medium"])
+    else:
+        slows(SEVERITY[kind.removeprefix("fail-slow-")])
+    return tuple(sorted(out, key=lambda f: (f.start_s, f.device)))
+
+
+def write_csv(failures: tuple[FailureEvent, ...] | list[FailureEvent], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(_FIELDS)
+        for f in failures:
+            w.writerow((f.kind, f.device, f.start_s, f.duration_s, f.factor))
+
+
+def read_csv(path: Path, *, num_devices: int | None = None) -> tuple[FailureEvent, ...]:
+    """Failures from a CSV trace; a bad row raises ``ValueError`` naming the file and line."""
+    with path.open(newline="") as fh:
+        rows = list(csv.reader(fh))
+    if not rows or tuple(x.strip() for x in rows[0]) != _FIELDS:
+        raise ValueError(f"{path}: the first line must be the header {','.join(_FIELDS)}")
+    out = []
+    for line, row in enumerate(rows[1:], start=2):
+        if not row or not "".join(row).strip():
+            continue
+        try:
+            if len(row) != len(_FIELDS):
+                raise ValueError(f"expected {len(_FIELDS)} fields, got {len(row)}")
+            kind, dev, start, dur, factor = (x.strip() for x in row)
+            ev = FailureEvent(
+                kind=kind, device=int(dev), start_s=float(start), duration_s=float(dur), factor=float(factor)
+            )
+        except ValueError as e:
+            raise ValueError(f"{path}:{line}: {e}") from e
+        if num_devices is not None and ev.device >= num_devices:
+            raise ValueError(
+                f"{path}:{line}: device {ev.device} is not among the job's {num_devices} devices"
+            )
+        out.append(ev)
+    return tuple(out)

@@ -1,0 +1,56 @@
+"""The resilience bench: JSON in the issue's shape, ResiHP >= every baseline, nobody above the oracle."""
+
+import json
+import math
+
+import pytest
+
+from steptune.cli import main
+from steptune.resilience import bench
+from steptune.resilience.bench import HOME, POLICIES, BenchConfig, run_bench
+
+pytestmark = pytest.mark.timeout(300)
+TINY = BenchConfig(
+    models=("llama2-7b",), kinds=("fail-stop", "mixed"), duration_s=1800.0, detector_runs=4, workers=1
+)
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    return run_bench(TINY)
+
+
+def test_json_shape(result: dict) -> None:
+    json.dumps(result, allow_nan=False)  # strict JSON: no NaN or inf anywhere
+    assert {"rows", "ratios", "detector"} <= set(result)
+    for row in result["rows"]:
+        assert {"scenario", "kind", "model", "tokens_per_s"} <= set(row)
+        assert set(row["tokens_per_s"]) == set(POLICIES)
+    for name, s in result["ratios"].items():
+        assert name in HOME and {"min", "median", "max"} <= set(s)
+    for d in result["detector"].values():
+        assert {"false_alarms_per_run", "detection_rate", "mean_latency_steps"} <= set(d)
+
+
+def test_oracle_bounds_and_resihp_leads_the_restart_family(result: dict) -> None:
+    assert result["above_oracle"] == []
+    for row in result["rows"]:
+        t = row["tokens_per_s"]
+        assert t["resihp"] > 0 and math.isfinite(t["resihp"])
+        # Systems that meet a fail-stop with a checkpoint restart, and doing nothing, trail ResiHP.
+        for p in ("greyhound", "adaptra", "malleus-lite", "ckpt-restart", "noop"):
+            assert t["resihp"] >= t[p] * (1 - 1e-9), (row["scenario"], p)
+    # Where a baseline wins (ReCycle can, with deep pipelines' bubbles), the bench says so.
+    listed = {(x["scenario"], x["baseline"]) for x in result["resihp_below_baseline"]}
+    for row in result["rows"]:
+        for p, x in row["tokens_per_s"].items():
+            if p not in ("resihp", "oracle") and x > row["tokens_per_s"]["resihp"] * (1 + 1e-9):
+                assert (row["scenario"], p) in listed
+
+
+def test_bench_cli_quick(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(bench, "quick_config", lambda **kw: TINY)
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert main(["resilience", "bench", "--quick", "--json", str(out), "--plot", str(png)]) == 0
+    assert json.loads(out.read_text())["rows"] and png.stat().st_size > 1000
+    assert "SIMULATED" in capsys.readouterr().out

@@ -1,0 +1,42 @@
+"""Scenario generator and CSV traces."""
+
+from pathlib import Path
+
+import pytest
+
+from steptune.resilience.scenarios import KINDS, SEVERITY, generate, read_csv, write_csv
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate_is_seeded_and_in_range(kind: str) -> None:
+    a = generate(kind, num_devices=256, duration_s=7200.0, seed=3)
+    assert a == generate(kind, num_devices=256, duration_s=7200.0, seed=3)
+    assert a != generate(kind, num_devices=256, duration_s=7200.0, seed=4)
+    assert a and all(0 <= f.device < 256 and 0 <= f.start_s < 7200.0 for f in a)
+    stops = [f.device for f in a if f.kind == "fail-stop"]
+    assert len(stops) == len(set(stops))  # a device dies once
+    if kind.startswith("fail-slow-"):
+        assert {f.factor for f in a} == {SEVERITY[kind.removeprefix("fail-slow-")]}
+
+
+def test_rates_match_the_presets() -> None:
+    n = [len(generate("fail-stop", num_devices=256, duration_s=7200.0, seed=s)) for s in range(40)]
+    assert 3.0 < sum(n) / len(n) < 5.0  # every 30 minutes over 2 hours: 4 on average
+
+
+def test_csv_round_trip_and_errors(tmp_path: Path) -> None:
+    fails = generate("mixed", num_devices=64, duration_s=7200.0, seed=1)
+    p = tmp_path / "t.csv"
+    write_csv(fails, p)
+    assert read_csv(p, num_devices=64) == fails
+    with pytest.raises(ValueError, match="not among the job's 8 devices"):
+        read_csv(p, num_devices=8)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,1,10,inf,1.7\n")
+    with pytest.raises(ValueError, match=r"bad\.csv:2"):
+        read_csv(bad)
+    (tmp_path / "h.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="header"):
+        read_csv(tmp_path / "h.csv")
+    with pytest.raises(ValueError, match="unknown scenario kind"):
+        generate("meteor", num_devices=8, duration_s=10.0)
