@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,8 @@ def _bench(args: argparse.Namespace) -> int:
         if args.quick
         else BenchConfig(seeds=tuple(range(args.seeds)), workers=args.workers)
     )
+    if args.models:
+        cfg = replace(cfg, models=tuple(args.models.split(",")))
     res = run_bench(cfg, progress=lambda m: print(m, flush=True))
     print_bench(res)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +197,7 @@ def register(sub: Any) -> None:
     b.add_argument("--quick", action="store_true", help="2 models x 3 kinds x 1 h: under a minute")
     b.add_argument("--seeds", type=int, default=1, help="scenarios per (model, kind) in the full bench")
     b.add_argument("--workers", type=int, default=2, help="processes")
+    b.add_argument("--models", default=None, help="comma-separated model presets (default: all seven)")
     b.add_argument("--json", type=Path, required=True)
     b.add_argument("--plot", type=Path, default=None, help="PNG of the ratios per scenario kind")
     b.set_defaults(func=_bench)
