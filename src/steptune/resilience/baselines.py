@@ -46,10 +46,12 @@ from steptune.resilience.plan import (
 from steptune.resilience.sim import (
     CheckpointRestart,
     Decision,
+    Memoized,
     Oracle,
     SimContext,
     pipeline_time,
     reconfig_cost,
+    restart_plan,
 )
 
 __all__ = [
@@ -113,24 +115,6 @@ def _improve_counts(plan: ExecutionPlan, price: Price, *, max_moves: int = 256) 
     return best if best == plan else replace(best, version=plan.version + 1)
 
 
-def _restart_without_dead(plan: ExecutionPlan, observed: tuple[float, ...]) -> ExecutionPlan | None:
-    """Checkpoint-restart's plan: drop every replica holding a dead device, keep the global batch."""
-    keep = [
-        r
-        for r in range(plan.num_replicas)
-        if all(observed[d] > 0 for s in range(plan.num_stages) for d in plan.group(r, s))
-    ]
-    if not keep:
-        return None
-    q, rem = divmod(sum(plan.microbatches), len(keep))
-    return ExecutionPlan(
-        version=plan.version + 1,
-        tp_groups=tuple(plan.group(r, s) for r in keep for s in range(plan.num_stages)),
-        layer_partition=tuple(plan.layer_partition[r] for r in keep),
-        microbatches=tuple(q + (i < rem) for i in range(len(keep))),
-    )
-
-
 # ReCycle -----------------------------------------------------------------------------------------
 
 
@@ -166,7 +150,7 @@ class ReCycle:
         self._known = dead
         if any(not self._alive_replicas(plan, s, observed) for s in range(plan.num_stages)):
             # Every DP peer of some stage is gone: nothing to reroute to. Restart from a checkpoint.
-            new = _restart_without_dead(plan, observed)
+            new = restart_plan(plan, observed)
             if new is None:
                 return Decision(plan)
             self._known = frozenset()
@@ -237,7 +221,7 @@ def recycle_step_time(
 # Oobleck -----------------------------------------------------------------------------------------
 
 
-class Oobleck:
+class Oobleck(Memoized):
     """Node-granular loss, pipeline re-instantiated from a template, batch redistributed."""
 
     name = "oobleck"
@@ -245,31 +229,16 @@ class Oobleck:
 
     def __init__(self, *, detect_stop_steps: float = 2.0) -> None:
         self.detect_stop_steps = detect_stop_steps
-        self._memo: dict[tuple[ExecutionPlan, tuple[float, ...]], Decision] = {}
+        super().__init__()
 
-    def reset(self) -> None:
-        self._memo = {}
-
-    def on_step(
-        self,
-        t: float,
-        step: int,
-        observed: tuple[float, ...],
-        plan: ExecutionPlan,
-        state: ClusterState,
-        ctx: SimContext,
+    def _decide(
+        self, observed: tuple[float, ...], plan: ExecutionPlan, state: ClusterState, ctx: SimContext
     ) -> Decision:
         dead = _dead(plan, observed)
-        if not dead:
+        new = oobleck_reinstantiate(plan, state, dead, ctx.gpus_per_node) if dead else None
+        if new is None:
             return Decision(plan)
-        key = (plan, observed)
-        if key not in self._memo:
-            new = oobleck_reinstantiate(plan, state, dead, ctx.gpus_per_node)
-            if new is None:
-                self._memo[key] = Decision(plan)
-            else:
-                self._memo[key] = Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
-        return self._memo[key]
+        return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
 
 
 def oobleck_reinstantiate(
@@ -425,7 +394,7 @@ class Greyhound:
         # S4: restart from the checkpoint without the replica(s) holding the slowest device.
         slow = min(observed[d] for g in plan.tp_groups for d in g)
         drop = tuple(0.0 if observed[d] <= slow else observed[d] for d in range(len(observed)))
-        cand = _restart_without_dead(plan, drop)
+        cand = restart_plan(plan, drop)
         if cand is None:
             return None, 0.0, True
         return _improve_counts(cand, price), ctx.job.restart_cost_s, True
@@ -579,7 +548,7 @@ class Strengthened:
 # Malleus-lite ------------------------------------------------------------------------------------
 
 
-class MalleusLite:
+class MalleusLite(Memoized):
     """Asynchronous full re-plan on every change of the measured straggling rates; fail-stop: restart."""
 
     name = "malleus-lite"
@@ -590,42 +559,28 @@ class MalleusLite:
         self.detect_slow_steps = detect_slow_steps
         self.detect_slow_delay_s = planning_s
         self.detect_stop_steps = detect_stop_steps
-        self._restart = CheckpointRestart(detect_stop_steps=detect_stop_steps)
-        self._memo: dict[tuple[ExecutionPlan, tuple[float, ...]], Decision] = {}
+        super().__init__()
 
-    def reset(self) -> None:
-        self._memo = {}
-
-    def on_step(
-        self,
-        t: float,
-        step: int,
-        observed: tuple[float, ...],
-        plan: ExecutionPlan,
-        state: ClusterState,
-        ctx: SimContext,
+    def _decide(
+        self, observed: tuple[float, ...], plan: ExecutionPlan, state: ClusterState, ctx: SimContext
     ) -> Decision:
         if _dead(plan, observed):
-            return self._restart.on_step(t, step, observed, plan, state, ctx)
-        key = (plan, observed)
-        if key not in self._memo:
-            alive_base = all(observed[d] > 0 for g in ctx.base_plan.tp_groups for d in g)
-            src = ctx.base_plan if alive_base else plan
-            try:
-                new = progressive_replan(
-                    state,
-                    src,
-                    expected_fault_duration_s=_INF,
-                    reconfig_costs=ReconfigCosts(tp_s=0.0, pp_s=0.0),
-                )[0]
-            except ValueError:
-                new = plan
-            if ctx.step_time(new, observed) >= ctx.step_time(plan, observed) * (1 - 1e-9):
-                self._memo[key] = Decision(plan)
-            else:
-                new = replace(new, version=plan.version + 1)
-                self._memo[key] = Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
-        return self._memo[key]
+            new = restart_plan(plan, observed)
+            return Decision(plan) if new is None else Decision(new, ctx.job.restart_cost_s, restart=True)
+        alive_base = all(observed[d] > 0 for g in ctx.base_plan.tp_groups for d in g)
+        try:
+            new = progressive_replan(
+                state,
+                ctx.base_plan if alive_base else plan,
+                expected_fault_duration_s=_INF,
+                reconfig_costs=ReconfigCosts(tp_s=0.0, pp_s=0.0),
+            )[0]
+        except ValueError:
+            return Decision(plan)
+        if ctx.step_time(new, observed) >= ctx.step_time(plan, observed) * (1 - 1e-9):
+            return Decision(plan)
+        new = replace(new, version=plan.version + 1)
+        return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
 
 
 def baseline(name: str, **kwargs: float) -> object:

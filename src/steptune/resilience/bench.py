@@ -108,9 +108,9 @@ def make_policies(det: DetectorCosts) -> dict[str, Callable[[], Policy]]:
     g_fa = det.greyhound_false_per_step * VALIDATION_S["greyhound"]
     lat = det.greyhound_latency_steps
     return {
-        "resihp": lambda: _with_overhead(
-            ResiHPPolicy(detect_slow_steps=det.resihp_latency_steps),
-            det.resihp_false_per_step * VALIDATION_S["resihp"],
+        "resihp": lambda: ResiHPPolicy(
+            detect_slow_steps=det.resihp_latency_steps,
+            false_alarm_s_per_step=det.resihp_false_per_step * VALIDATION_S["resihp"],
         ),
         "recycle": ReCycle,
         "oobleck": Oobleck,
@@ -127,11 +127,6 @@ def make_policies(det: DetectorCosts) -> dict[str, Callable[[], Policy]]:
         "noop": NoOp,
         "oracle": oracle,
     }
-
-
-def _with_overhead(policy: ResiHPPolicy, per_step: float) -> ResiHPPolicy:
-    policy.false_alarm_s_per_step = per_step  # type: ignore[attr-defined]
-    return policy
 
 
 def measure_detectors(runs: int, *, seed: int = 0) -> tuple[dict[str, dict[str, float]], DetectorCosts]:
@@ -223,8 +218,6 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
     ratios: dict[str, dict[str, float]] = {}
     by_kind: dict[str, dict[str, dict[str, float] | None]] = {}
     for base, home in HOME.items():
-        if base in ratios:
-            continue
         xs = _ratios(rows, base, home)
         if xs:
             ratios[base] = _summary(xs)

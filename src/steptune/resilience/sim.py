@@ -54,6 +54,7 @@ __all__ = [
     "CheckpointRestart",
     "Decision",
     "FailureEvent",
+    "Memoized",
     "NoOp",
     "Oracle",
     "Policy",
@@ -65,6 +66,7 @@ __all__ = [
     "layer_phase_times",
     "pipeline_time",
     "reconfig_cost",
+    "restart_plan",
     "run",
 ]
 
@@ -150,8 +152,6 @@ class SimContext:
     layer_b: tuple[float, ...] = field(default=(), repr=False)
     layer_w: tuple[float, ...] = field(default=(), repr=False)
     gpus_per_node: int = 8
-    state: Callable[[tuple[float, ...]], ClusterState] | None = field(default=None, repr=False)
-    """The planner's view of the cluster under given speeds."""
 
 
 class Policy(Protocol):
@@ -340,24 +340,31 @@ class CheckpointRestart:
         state: ClusterState,
         ctx: SimContext,
     ) -> Decision:
-        keep = [
-            r
-            for r in range(plan.num_replicas)
-            if all(observed[d] > 0 for s in range(plan.num_stages) for d in plan.group(r, s))
-        ]
-        if len(keep) == plan.num_replicas:
-            return Decision(plan)
-        if not keep:
-            return Decision(plan)  # nothing left to restart on: the job stays down
-        total = sum(plan.microbatches)
-        q, rem = divmod(total, len(keep))
-        new = ExecutionPlan(
-            version=plan.version + 1,
-            tp_groups=tuple(plan.group(r, s) for r in keep for s in range(plan.num_stages)),
-            layer_partition=tuple(plan.layer_partition[r] for r in keep),
-            microbatches=tuple(q + (i < rem) for i in range(len(keep))),
-        )
+        new = restart_plan(plan, observed)
+        if new is None or new == plan:
+            return Decision(plan)  # nothing dead, or nothing left to restart on: the job stays down
         return Decision(new, ctx.job.restart_cost_s, restart=True)
+
+
+def restart_plan(plan: ExecutionPlan, speeds: tuple[float, ...]) -> ExecutionPlan | None:
+    """Checkpoint-restart's plan: drop every replica holding a device of speed 0, keep the global
+    batch (split evenly over the survivors). ``plan`` itself if none is dead; None if none survives."""
+    keep = [
+        r
+        for r in range(plan.num_replicas)
+        if all(speeds[d] > 0 for s in range(plan.num_stages) for d in plan.group(r, s))
+    ]
+    if len(keep) == plan.num_replicas:
+        return plan
+    if not keep:
+        return None
+    q, rem = divmod(sum(plan.microbatches), len(keep))
+    return ExecutionPlan(
+        version=plan.version + 1,
+        tp_groups=tuple(plan.group(r, s) for r in keep for s in range(plan.num_stages)),
+        layer_partition=tuple(plan.layer_partition[r] for r in keep),
+        microbatches=tuple(q + (i < rem) for i in range(len(keep))),
+    )
 
 
 def _try_replan(
@@ -370,11 +377,14 @@ def _try_replan(
         return None
 
 
-class _Memoized:
+class Memoized:
     """A policy whose decision depends only on (job, plan, observed speeds): decide once, reuse."""
 
     def __init__(self) -> None:
         self._memo: dict[tuple[SimJob, ExecutionPlan, tuple[float, ...]], Decision] = {}
+
+    def reset(self) -> None:
+        self._memo.clear()
 
     def on_step(
         self,
@@ -396,7 +406,7 @@ class _Memoized:
         raise NotImplementedError
 
 
-class ResiHPPolicy(_Memoized):
+class ResiHPPolicy(Memoized):
     """ResiHP: on a change in the detected speeds, ``progressive_replan`` and stall its reconfiguration.
 
     A detected fail-stop is a permanent fault; a fail-slow is expected to last ``expected_slow_s``
@@ -414,10 +424,13 @@ class ResiHPPolicy(_Memoized):
         detect_stop_steps: float = 2.0,
         detect_slow_steps: float = 2.0,
         expected_slow_s: float = 24 * 60.0,
+        false_alarm_s_per_step: float = 0.0,
     ) -> None:
         self.detect_stop_steps = detect_stop_steps
         self.detect_slow_steps = detect_slow_steps
         self.expected_slow_s = expected_slow_s
+        self.false_alarm_s_per_step = false_alarm_s_per_step
+        """Expected validation stall of false fail-slow alarms per step (the sim adds it to every step)."""
         super().__init__()
 
     def _decide(
@@ -443,9 +456,7 @@ class ResiHPPolicy(_Memoized):
                 return (t_c, cost)
             return (cost + dur / t_now * t_c, 0.0)  # seconds to run the fault's steps
 
-        new = min(cands, key=total)
-        if new is not plan and new.version == plan.version:
-            new = replace(new, version=plan.version + 1)
+        new = min(cands, key=total)  # replans come back as version + 1 already
         return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
 
     def _readmit(
@@ -478,7 +489,7 @@ class ResiHPPolicy(_Memoized):
 PriceFn = Callable[[ExecutionPlan, tuple[float, ...], SimContext], float]
 
 
-class Oracle(_Memoized):
+class Oracle(Memoized):
     """Sees every change at once and switches for free to the best simulated plan: an upper bound.
 
     Candidates: the current plan, and ``progressive_replan`` from the current and from the first plan
@@ -571,7 +582,6 @@ def run(
         layer_b=lb,
         layer_w=lw,
         gpus_per_node=cluster_preset(job.cluster).gpus_per_node,
-        state=cluster_state,
     )
     delays = (
         policy.detect_stop_steps * healthy,
