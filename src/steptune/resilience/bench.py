@@ -28,7 +28,7 @@ from steptune.resilience.baselines import (
     oracle,
 )
 from steptune.resilience.evaluate import JobSpec, detector_scores
-from steptune.resilience.scenarios import KINDS, generate
+from steptune.resilience.scenarios import KINDS, Rates, generate
 from steptune.resilience.sim import (
     CheckpointRestart,
     NoOp,
@@ -148,28 +148,63 @@ def measure_detectors(runs: int, *, seed: int = 0) -> tuple[dict[str, dict[str, 
     return scores, costs
 
 
-def _run_row(args: tuple[str, str, int, float, DetectorCosts]) -> dict[str, Any]:
-    model, kind, seed, duration_s, det = args
-    job = job_for(model)
-    failures = generate(kind, num_devices=job.num_devices, duration_s=duration_s, seed=seed)
-    makers = make_policies(det)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RowTask:
+    """One bench row: a generated scenario run under each of ``policies``."""
+
+    model: str
+    kind: str
+    seed: int
+    duration_s: float
+    det: DetectorCosts
+    rates: Rates | None = None
+    policies: tuple[str, ...] = POLICIES
+
+
+def run_row(task: RowTask) -> dict[str, Any]:
+    job = job_for(task.model)
+    failures = generate(
+        task.kind, num_devices=job.num_devices, duration_s=task.duration_s, seed=task.seed, rates=task.rates
+    )
+    makers = make_policies(task.det)
     out: dict[str, float] = {}
     detail: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
-    for name in POLICIES:
-        r = run(job, makers[name](), failures, duration_s)
+    for name in task.policies:
+        r = run(job, makers[name](), failures, task.duration_s)
         out[name] = r.tokens_per_s
         detail[name] = {"stall_s": r.stall_s, "lost_s": r.lost_s, "halted_s": r.halted_s}
     return {
-        "scenario": f"{kind}/seed{seed}",
-        "kind": kind,
-        "model": model,
+        "scenario": f"{task.kind}/seed{task.seed}",
+        "kind": task.kind,
+        "model": task.model,
         "gpus": job.num_devices,
         "failures": len(failures),
         "tokens_per_s": out,
         "detail": detail,
         "wall_s": time.perf_counter() - t0,
     }
+
+
+def run_rows(
+    tasks: list[RowTask], workers: int, progress: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
+    """``run_row`` over ``tasks`` in order, in a process pool when ``workers`` > 1."""
+    rows: list[dict[str, Any]] = []
+
+    def done(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if progress:
+            progress(f"{len(rows)}/{len(tasks)} {row['model']} {row['scenario']} ({row['wall_s']:.1f} s)")
+
+    if workers > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            for row in pool.map(run_row, tasks):
+                done(row)
+    else:
+        for task in tasks:
+            done(run_row(task))
+    return rows
 
 
 def _summary(xs: list[float]) -> dict[str, float]:
@@ -200,21 +235,13 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
     scores, det = measure_detectors(cfg.detector_runs)
     if progress:
         progress(f"detector study: {cfg.detector_runs} runs in {time.perf_counter() - t0:.0f} s")
-    tasks = [(m, k, s, cfg.duration_s, det) for m in cfg.models for k in cfg.kinds for s in cfg.seeds]
-    rows: list[dict[str, Any]] = []
-    if cfg.workers > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=cfg.workers) as pool:
-            for row in pool.map(_run_row, tasks):
-                rows.append(row)
-                if progress:
-                    progress(
-                        f"{len(rows)}/{len(tasks)} {row['model']} {row['scenario']} ({row['wall_s']:.1f} s)"
-                    )
-    else:
-        for task in tasks:
-            rows.append(_run_row(task))
-            if progress:
-                progress(f"{len(rows)}/{len(tasks)} {rows[-1]['model']} {rows[-1]['scenario']}")
+    tasks = [
+        RowTask(model=m, kind=k, seed=s, duration_s=cfg.duration_s, det=det)
+        for m in cfg.models
+        for k in cfg.kinds
+        for s in cfg.seeds
+    ]
+    rows = run_rows(tasks, cfg.workers, progress)
     ratios: dict[str, dict[str, float]] = {}
     by_kind: dict[str, dict[str, dict[str, float] | None]] = {}
     for base, home in HOME.items():

@@ -44,7 +44,8 @@ class JobSpec:
     tp: int = 2
     num_microbatches: int = 8
     token_budget: int = 32768
-    lengths: str = "code"
+    lengths: str | LengthDist = "code"
+    """A ``LENGTH_PRESETS`` name or a distribution."""
     noise_cv: float = 0.03
     """Kernel-time noise per (stage, microbatch, phase), independent of the workload."""
     efficiency: float = 0.5
@@ -100,7 +101,7 @@ def simulate_run(
     rng = np.random.default_rng(seed)
     model = model_preset(job.model)
     device = cluster_preset(job.cluster).device
-    dist: LengthDist = LENGTH_PRESETS[job.lengths]
+    dist = LENGTH_PRESETS[job.lengths] if isinstance(job.lengths, str) else job.lengths
     part = uniform_partition(model.num_layers, job.pp)
     bounds = np.cumsum((0, *part))
     stages = [

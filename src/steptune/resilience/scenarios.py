@@ -23,7 +23,7 @@ import numpy as np
 
 from steptune.resilience.sim import FailureEvent
 
-__all__ = ["KINDS", "SEVERITY", "generate", "read_csv", "write_csv"]
+__all__ = ["KINDS", "SEVERITY", "Rates", "generate", "read_csv", "write_csv"]
 
 SEVERITY = {"weak": 1 / 1.25, "medium": 1 / 1.5, "strong": 1 / 2.5}
 """Speed factor of a fail-slow of each severity."""

@@ -1,0 +1,49 @@
+"""Sensitivity sweeps: more failures cost every policy throughput; more length spread means more
+false alarms for the fixed threshold and none for ResiHP."""
+
+import json
+
+import pytest
+
+from steptune.cli import main
+from steptune.resilience.sweep import failure_rate_sweep, length_cv_sweep
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_failure_rate_sweep() -> None:
+    res = failure_rate_sweep(
+        model="llama2-7b",
+        kinds=("fail-stop",),
+        rate_scales=(0.5, 4.0),
+        duration_s=3600.0,
+        detector_runs=4,
+        workers=1,
+    )
+    lo, hi = res["rows"]
+    assert (lo["rate_scale"], hi["rate_scale"]) == (0.5, 4.0)
+    assert hi["failures"] > lo["failures"]
+    for p in ("resihp", "oracle", "ckpt-restart"):
+        assert hi["tokens_per_s"][p] < lo["tokens_per_s"][p]
+    assert set(lo["ratio_vs"]) == {"recycle", "oobleck"}  # the fail-stop baselines in the sweep
+    with pytest.raises(ValueError, match="rate scales"):
+        failure_rate_sweep(rate_scales=(0.0,))
+
+
+def test_length_cv_sweep() -> None:
+    res = length_cv_sweep(sigmas=(0.3, 1.5), runs=4, steps=50)
+    narrow, wide = res["rows"]
+    assert wide["microbatch_forward_cv"] > 1.5 * narrow["microbatch_forward_cv"]
+    fixed = [r["detector"]["fixed-threshold"]["false_alarms_per_run"] for r in (narrow, wide)]
+    assert fixed[1] > fixed[0]
+    assert wide["detector"]["resihp"]["false_alarms_per_run"] < fixed[1] / 10
+
+
+def test_sweep_cli(tmp_path, monkeypatch, capsys) -> None:
+    import steptune.resilience.sweep as sweep
+
+    monkeypatch.setattr(sweep, "failure_rate_sweep", lambda **kw: {"rows": []})
+    monkeypatch.setattr(sweep, "length_cv_sweep", lambda **kw: {"rows": []})
+    out = tmp_path / "s.json"
+    assert main(["resilience", "sweep", "--quick", "--json", str(out)]) == 0
+    assert set(json.loads(out.read_text())) == {"failure_rate", "length_cv"}
