@@ -123,21 +123,34 @@ def run_mb(model: nn.ModuleList, x: torch.Tensor, lengths: list[int], attn: Any,
         y.float().square().mean().backward()
 
 
+@dataclass(frozen=True)
+class Rig:
+    """What both studies run on: the block, its attention, the device, the timer and the RNG."""
+
+    model: nn.ModuleList
+    attn: Any
+    shape: Shape
+    dev: torch.device
+    dtype: torch.dtype
+    rng: np.random.Generator
+    timer: Timer
+
+
 def nnls_mape(xs: np.ndarray, ys: np.ndarray, cols: list[int], warm: int) -> float:
     coef, _ = nnls(xs[:warm][:, cols], ys[:warm])
     return mape(xs[warm:][:, cols] @ coef, ys[warm:])
 
 
-def predictor_study(
-    args: argparse.Namespace,
-    model: nn.ModuleList,
-    attn: Any,
-    shape: Shape,
-    dev: torch.device,
-    dtype: torch.dtype,
-    rng: np.random.Generator,
-    timer: Timer,
-) -> dict[str, Any]:
+def predictor_study(args: argparse.Namespace, rig: Rig) -> dict[str, Any]:
+    model, attn, shape, dev, dtype, rng, timer = (
+        rig.model,
+        rig.attn,
+        rig.shape,
+        rig.dev,
+        rig.dtype,
+        rig.rng,
+        rig.timer,
+    )
     dist = LENGTH_PRESETS[args.lengths]
     spec = model_preset(args.model)
     stage = StageModel(
@@ -145,6 +158,7 @@ def predictor_study(
         device=cluster_preset("dgx-h200").device,
         efficiency=1.0,
     )
+    fl, fq = stage.coefficients(Phase.F)
     out: dict[str, Any] = {}
     for budget in args.budgets:
         mbs = pack(rng, dist, budget, args.samples)
@@ -194,31 +208,23 @@ def predictor_study(
                 },
                 # The dry run's tiny block is not the preset's: its FLOP rate means nothing.
                 "achieved_tflops": None if args.dry_run else eff / 1e12,
-                "quad_share": float(
-                    np.median(
-                        [
-                            stage.coefficients(Phase.F)[1]
-                            * q
-                            / sum(stage.coefficients(Phase.F)[i] * v for i, v in enumerate((n, q)))
-                            for n, q in arr[:, :2]
-                        ]
-                    )
-                ),
+                # Median share of the attention (sum len^2) term in the forward FLOPs.
+                "quad_share": float(np.median(fq * arr[:, 1] / (fl * arr[:, 0] + fq * arr[:, 1]))),
             }
         out[str(budget)] = res
     return out
 
 
-def detector_study(
-    args: argparse.Namespace,
-    model: nn.ModuleList,
-    attn: Any,
-    shape: Shape,
-    dev: torch.device,
-    dtype: torch.dtype,
-    rng: np.random.Generator,
-    timer: Timer,
-) -> dict[str, Any]:
+def detector_study(args: argparse.Namespace, rig: Rig) -> dict[str, Any]:
+    model, attn, shape, dev, dtype, rng, timer = (
+        rig.model,
+        rig.attn,
+        rig.shape,
+        rig.dev,
+        rig.dtype,
+        rig.rng,
+        rig.timer,
+    )
     dist = LENGTH_PRESETS[args.lengths]
     budget = args.detect_budget
     side = torch.cuda.Stream() if dev.type == "cuda" else None
@@ -374,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         "lengths": args.lengths,
     }
     print("predictor study ...", flush=True)
-    result["predictor"] = predictor_study(args, model, attn, shape, dev, dtype, rng, timer)
+    rig = Rig(model=model, attn=attn, shape=shape, dev=dev, dtype=dtype, rng=rng, timer=timer)
+    result["predictor"] = predictor_study(args, rig)
     print("detector study ...", flush=True)
-    result["detector"] = detector_study(args, model, attn, shape, dev, dtype, rng, timer)
+    result["detector"] = detector_study(args, rig)
     result["wall_s"] = time.perf_counter() - t0
     with open(args.json, "w") as fh:
         json.dump(
