@@ -95,5 +95,5 @@ def plot_bench(res: dict[str, Any], path: str | Path) -> Path:
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
     ax.set_ylabel("median tokens/s / oracle")
     ax.set_title("Recovery policies on simulated 256-GPU failure scenarios (SIMULATED)")
-    ax.legend(fontsize=7, ncol=2, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: no bar hidden
     return _save(fig, path)
