@@ -27,7 +27,6 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -135,6 +134,21 @@ class Rig:
     rng: np.random.Generator
     timer: Timer
 
+    def time(self, lengths: list[int], *, backward: bool, before: Any = None) -> float:
+        """Seconds of one microbatch of packed ``lengths`` (fresh input, cleared grads); ``before``
+        runs inside the timed region first (the contention of the detector study)."""
+        x = torch.randn(
+            sum(lengths), self.shape.hidden, device=self.dev, dtype=self.dtype, requires_grad=True
+        )
+        self.model.zero_grad(set_to_none=True)
+
+        def work() -> None:
+            if before is not None:
+                before()
+            run_mb(self.model, x, lengths, self.attn, backward=backward)
+
+        return self.timer(work)
+
 
 def nnls_mape(xs: np.ndarray, ys: np.ndarray, cols: list[int], warm: int) -> float:
     coef, _ = nnls(xs[:warm][:, cols], ys[:warm])
@@ -142,32 +156,21 @@ def nnls_mape(xs: np.ndarray, ys: np.ndarray, cols: list[int], warm: int) -> flo
 
 
 def predictor_study(args: argparse.Namespace, rig: Rig) -> dict[str, Any]:
-    model, attn, shape, dev, dtype, rng, timer = (
-        rig.model,
-        rig.attn,
-        rig.shape,
-        rig.dev,
-        rig.dtype,
-        rig.rng,
-        rig.timer,
-    )
     dist = LENGTH_PRESETS[args.lengths]
     spec = model_preset(args.model)
     stage = StageModel(
-        layers=tuple(spec.layers[1 : 1 + shape.layers]),
+        layers=tuple(spec.layers[1 : 1 + rig.shape.layers]),
         device=cluster_preset("dgx-h200").device,
         efficiency=1.0,
     )
     fl, fq = stage.coefficients(Phase.F)
     out: dict[str, Any] = {}
     for budget in args.budgets:
-        mbs = pack(rng, dist, budget, args.samples)
+        mbs = pack(rig.rng, dist, budget, args.samples)
         rows = []
         for i, lengths in enumerate(mbs):
-            x = torch.randn(sum(lengths), shape.hidden, device=dev, dtype=dtype, requires_grad=True)
-            tf = timer(partial(run_mb, model, x, lengths, attn, backward=False))
-            model.zero_grad(set_to_none=True)
-            tfb = timer(partial(run_mb, model, x, lengths, attn, backward=True))
+            tf = rig.time(lengths, backward=False)
+            tfb = rig.time(lengths, backward=True)
             n, q = features(lengths)
             rows.append((n, q, len(lengths), tf, tfb))
             if (i + 1) % 20 == 0:
@@ -216,15 +219,7 @@ def predictor_study(args: argparse.Namespace, rig: Rig) -> dict[str, Any]:
 
 
 def detector_study(args: argparse.Namespace, rig: Rig) -> dict[str, Any]:
-    model, attn, shape, dev, dtype, rng, timer = (
-        rig.model,
-        rig.attn,
-        rig.shape,
-        rig.dev,
-        rig.dtype,
-        rig.rng,
-        rig.timer,
-    )
+    dev, dtype = rig.dev, rig.dtype
     dist = LENGTH_PRESETS[args.lengths]
     budget = args.detect_budget
     side = torch.cuda.Stream() if dev.type == "cuda" else None
@@ -251,17 +246,9 @@ def detector_study(args: argparse.Namespace, rig: Rig) -> dict[str, Any]:
     for step in range(args.steps):
         obs: dict[int, float] = {}
         pr: dict[int, float] = {}
-        for u, lengths in enumerate(pack(rng, dist, budget, args.units)):
-            x = torch.randn(sum(lengths), shape.hidden, device=dev, dtype=dtype, requires_grad=True)
-            model.zero_grad(set_to_none=True)
+        for u, lengths in enumerate(pack(rig.rng, dist, budget, args.units)):
             slow = step >= args.slow_from and u == args.slow_unit
-
-            def work(lengths: list[int] = lengths, x: torch.Tensor = x, slow: bool = slow) -> None:
-                if slow:
-                    contend()
-                run_mb(model, x, lengths, attn, backward=True)
-
-            t = timer(work)
+            t = rig.time(lengths, backward=True, before=contend if slow else None)
             if side is not None:
                 torch.cuda.synchronize()
             n, q = features(lengths)
