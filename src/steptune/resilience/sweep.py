@@ -17,24 +17,14 @@ from typing import Any
 import numpy as np
 
 from steptune.core.specs import Phase, cluster_preset, model_preset
-from steptune.resilience.bench import HOME, RowTask, measure_detectors, run_rows
+from steptune.resilience.bench import HOME, POLICIES, RowTask, measure_detectors, run_rows
 from steptune.resilience.evaluate import JobSpec, detector_scores, simulate_run
 from steptune.resilience.scenarios import Rates
 from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
 
 __all__ = ["failure_rate_sweep", "length_cv_sweep"]
 
-_SWEEP_POLICIES = (
-    "resihp",
-    "recycle",
-    "oobleck",
-    "greyhound",
-    "adaptra",
-    "strengthened-recycle",
-    "strengthened-oobleck",
-    "ckpt-restart",
-    "oracle",
-)
+_SWEEP_POLICIES = tuple(p for p in POLICIES if p not in ("malleus-lite", "noop"))
 
 
 def failure_rate_sweep(
