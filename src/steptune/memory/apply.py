@@ -1,0 +1,172 @@
+"""`apply_tapesac_(model, config)`: wrap a model's blocks with the dispatcher tape, no forward edits.
+
+Contract: each selected block's instance ``forward`` is replaced by a wrapper (the class is left
+alone, so hooks registered on the module, FSDP2's included, still run around it); ``remove()``
+restores it. Under grad mode a block call runs its original forward under a recording
+TorchDispatchMode and saved-tensor hooks; internal values autograd packs are dropped and replayed
+on the first unpack in backward. Without grad mode the block runs untouched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from steptune.memory.frame import Frame, ReplayStats, pack_hook, unpack_hook
+from steptune.memory.record import Recorder, _external_key
+from steptune.memory.tape import ExternalRef, OpNode
+
+__all__ = ["TapeSAC", "TapeSACConfig", "apply_tapesac_", "find_blocks"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TapeSACConfig:
+    blocks: str | tuple[type[nn.Module], ...] | None = None
+    """Which modules are blocks: an FQN pattern (``"model.layers.*"``), a class name
+    (``"Qwen3DecoderLayer"``), a tuple of classes, or None for HF ``GradientCheckpointingLayer``s."""
+    save_ops: frozenset[str] = frozenset()
+    """Aten ops whose outputs are saved instead of replayed (``"aten.mm.default"``); empty means
+    replay-only. The memory planner (issue #4) chooses per-value save sets instead."""
+    save_fn: Callable[[OpNode], bool] | None = None
+    """Advanced: decide per recorded node whether its outputs are saved."""
+    count_flops: bool = False
+    """Price each recorded op with torch's FLOP formulas (for reports; costs a little per op)."""
+
+
+def find_blocks(
+    model: nn.Module, blocks: str | tuple[type[nn.Module], ...] | None
+) -> list[tuple[str, nn.Module]]:
+    """The (FQN, module) pairs ``blocks`` selects, outermost only."""
+    picked: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(p + ".") for p, _ in picked):
+            continue
+        if _is_block(name, module, blocks):
+            picked.append((name, module))
+    if not picked:
+        raise ValueError(
+            f"TapeSACConfig(blocks={blocks!r}) selected no module of {type(model).__name__}; pass an FQN "
+            "pattern such as 'model.layers.*' or the decoder-layer class name"
+        )
+    return picked
+
+
+def _is_block(name: str, module: nn.Module, blocks: str | tuple[type[nn.Module], ...] | None) -> bool:
+    if blocks is None:
+        return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__[1:])
+    if isinstance(blocks, tuple):
+        return isinstance(module, blocks)
+    if any(ch in blocks for ch in "*.?["):
+        return fnmatch.fnmatchcase(name, blocks)
+    return type(module).__name__ == blocks
+
+
+@dataclass(slots=True)
+class TapeSAC:
+    """What :func:`apply_tapesac_` returns: the wrapped blocks, counters and ``remove()``."""
+
+    model: nn.Module
+    config: TapeSACConfig
+    blocks: list[tuple[str, nn.Module]]
+    stats: ReplayStats = field(default_factory=ReplayStats)
+
+    def remove(self) -> None:
+        for _, block in self.blocks:
+            if "forward" in block.__dict__ and getattr(block.forward, "_tapesac", None) is self:
+                del block.forward
+        self.blocks = []
+        if getattr(self.model, "_tapesac", None) is self:
+            del self.model._tapesac
+
+
+def apply_tapesac_(model: nn.Module, config: TapeSACConfig | None = None) -> TapeSAC:
+    """Wrap ``model``'s blocks in place; returns a :class:`TapeSAC` whose ``remove()`` undoes it."""
+    config = config or TapeSACConfig()
+    if getattr(model, "_tapesac", None) is not None:
+        raise ValueError("TapeSAC is already applied to this model; call .remove() on it first")
+    state = TapeSAC(model, config, find_blocks(model, config.blocks))
+    save_fn = _save_fn(config)
+    for name, block in state.blocks:
+        if "forward" in block.__dict__:
+            raise ValueError(f"block {name!r} already has an instance-level forward (another wrapper?)")
+        wrapper = functools.partial(_run_block, state, name, block, block.forward, save_fn)
+        wrapper._tapesac = state  # type: ignore[attr-defined]
+        block.forward = wrapper  # type: ignore[method-assign]
+    model._tapesac = state  # type: ignore[assignment]
+    return state
+
+
+def _save_fn(config: TapeSACConfig) -> Callable[[OpNode], bool] | None:
+    if config.save_fn is not None:
+        return config.save_fn
+    if not config.save_ops:
+        return None
+    names = frozenset(config.save_ops)
+    return lambda node: node.name in names
+
+
+def _run_block(
+    state: TapeSAC,
+    name: str,
+    block: nn.Module,
+    forward: Callable[..., Any],
+    save_fn: Callable[[OpNode], bool] | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    stats = state.stats
+    stats.forwards += 1
+    externals = _external_map(block, args, kwargs)
+    recorder = Recorder(externals, save_fn=save_fn, count_flops=state.config.count_flops)
+    frame = Frame(name, stats)
+
+    def pack(t: torch.Tensor) -> Any:
+        return pack_hook(frame, recorder.on_pack(t), t)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook), recorder.opaque_functions(), recorder:
+        out = forward(*args, **kwargs)
+    tape = recorder.tape()
+    _mark_readers_of_written_externals(tape)
+    stats.recorded += 1
+    stats.record_s += recorder.seconds
+    for node in tape.nodes:
+        if node.force_save is not None:
+            stats.force_saved[node.force_save] += 1
+    frame.close(
+        tape,
+        None,
+        {s.sid: s.external.tensor for s in tape.slots if s.external and s.external.tensor is not None},
+    )
+    return out
+
+
+def _external_map(
+    block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[tuple[Any, ...], ExternalRef]:
+    refs: dict[tuple[Any, ...], ExternalRef] = {}
+    flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    for i, t in enumerate(flat):
+        refs.setdefault(_external_key(t), ExternalRef(kind="arg", index=i))
+    for pname, p in block.named_parameters():
+        refs.setdefault(_external_key(p), ExternalRef(kind="param", name=pname))
+    for bname, b in block.named_buffers():
+        refs.setdefault(_external_key(b), ExternalRef(kind="param", name=bname))
+    return refs
+
+
+def _mark_readers_of_written_externals(tape: Any) -> None:
+    written = {s.group for s in tape.slots if s.external is not None and s.external.written}
+    if not written:
+        return
+    for node in tape.nodes:
+        if node.force_save is None and any(tape.slots[sid].group in written for sid, _ in node.reads):
+            node.force_save = "reads a tensor the block writes in place"

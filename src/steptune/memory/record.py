@@ -1,0 +1,321 @@
+"""Recording one block's forward into a :class:`Tape` (TorchDispatchMode + saved_tensors_hooks).
+
+Contract: the recorder sees post-autograd, post-autocast aten ops (so replay needs neither), keys
+tensors by storage and view metadata (autograd's ``as_view`` changes TensorImpl identity), keeps a
+``StorageWeakRef`` per storage group so a freed storage's address is never mistaken for a live one,
+and holds no internal activation except the values it must save (``captured``).
+
+Force-save reasons (a node with one is never replayed; its outputs are held from forward):
+host syncs and data-dependent shapes, collectives, side effects (writes to externals, schema-hidden
+writes such as batch-norm running statistics), kernels outside the dispatcher (anything run inside
+a custom ``autograd.Function``), random ops with an explicit generator, nondeterministic kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from steptune.memory.tape import ExternalRef, OpNode, Slot, Tape, ValueKey, _Ref
+
+__all__ = ["Recorder", "force_save_reason"]
+
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d", "_c10d_functional_autograd", "_dtensor"})
+# Ops that write buffers their schema does not mark as written (running statistics).
+_HIDDEN_WRITERS = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"})
+_SYNC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+
+
+def force_save_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> str | None:
+    """Why the op cannot be replayed safely, from its schema, tags and devices (None if it can)."""
+    namespace = getattr(func, "namespace", "")
+    if namespace in _COLLECTIVE_NAMESPACES:
+        return "collective"
+    tags = getattr(func, "tags", ())
+    if any(tag in tags for tag in _SYNC_TAGS):
+        return "host sync or data-dependent shape"
+    if torch.Tag.nondeterministic_bitwise in tags:
+        return "nondeterministic kernel"
+    base = func._schema.name.split("::")[-1]
+    if base in _HIDDEN_WRITERS and _training_flag(func, args, kwargs):
+        return "side effect (running statistics)"
+    if kwargs.get("generator") is not None:
+        return "random op with an explicit generator"
+    if _crosses_to_host(args, out):
+        return "host sync or data-dependent shape"
+    return None
+
+
+def _training_flag(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "training":
+            value = args[i] if i < len(args) else kwargs.get("training", False)
+            return bool(value)
+    return False
+
+
+def _crosses_to_host(args: tuple[Any, ...], out: Any) -> bool:
+    ins = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    return any(i.device.type != "cpu" for i in ins) and any(o.device.type == "cpu" for o in outs)
+
+
+def _view_key(t: torch.Tensor, group: int) -> tuple[Any, ...]:
+    return (group, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+class Recorder(TorchDispatchMode):
+    """Records every op of one block call; ``pack`` maps saved tensors to tape values."""
+
+    def __init__(
+        self,
+        externals: dict[tuple[Any, ...], ExternalRef],
+        save_fn: Callable[[OpNode], bool] | None = None,
+        count_flops: bool = False,
+    ) -> None:
+        super().__init__()
+        self._external_refs = externals
+        self._save_fn = save_fn
+        self._count_flops = count_flops
+        self.nodes: list[OpNode] = []
+        self.slots: list[Slot] = []
+        self.group_writes: dict[int, list[tuple[int, int]]] = {}
+        self.group_version: dict[int, int] = {}
+        self.packs: list[ValueKey | None] = []
+        self.pack_meta: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.captured: dict[ValueKey, torch.Tensor] = {}
+        self._groups: dict[int, tuple[int, StorageWeakRef]] = {}
+        self._keys: dict[tuple[Any, ...], int] = {}
+        self._external_groups: set[int] = set()
+        self._opaque_depth = 0
+        self.seconds = 0.0
+
+    # ----- storage groups and slots -------------------------------------------------------
+    def _group(self, t: torch.Tensor, create: bool) -> int | None:
+        storage = t.untyped_storage()
+        entry = self._groups.get(storage._cdata)
+        if entry is not None and not entry[1].expired():
+            return entry[0]
+        if not create:
+            return None
+        gid = len(self.group_version)
+        self._groups[storage._cdata] = (gid, StorageWeakRef(storage))
+        self.group_version[gid] = 0
+        return gid
+
+    def _new_slot(self, t: torch.Tensor, group: int, producer: int, ext: ExternalRef | None) -> int:
+        sid = len(self.slots)
+        self.slots.append(
+            Slot(
+                sid=sid,
+                group=group,
+                producer=producer,
+                born=self.group_version[group],
+                shape=tuple(t.shape),
+                dtype=t.dtype,
+                nbytes=t.numel() * t.element_size(),
+                external=ext,
+            )
+        )
+        self._keys[_view_key(t, group)] = sid
+        return sid
+
+    def lookup(self, t: torch.Tensor) -> ValueKey:
+        """The value ``t`` holds now; an unseen tensor becomes an external."""
+        group = self._group(t, create=False)
+        if group is not None:
+            sid = self._keys.get(_view_key(t, group))
+            if sid is not None:
+                return (sid, self.group_version[group])
+            if group not in self._external_groups:
+                # A view made outside the dispatcher of a storage the block produced.
+                sid = self._new_slot(t, group, producer=-2, ext=None)
+                return (sid, self.group_version[group])
+        group = self._group(t, create=True) if group is None else group
+        assert group is not None
+        self._external_groups.add(group)
+        ext = self._external_refs.get(_external_key(t))
+        if ext is None:
+            ext = ExternalRef(kind="captured", tensor=t)
+        else:
+            ext = ExternalRef(kind=ext.kind, index=ext.index, name=ext.name, tensor=t)
+        sid = self._new_slot(t, group, producer=-1, ext=ext)
+        return (sid, self.group_version[group])
+
+    # ----- the dispatch hook ----------------------------------------------------------------
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        start = time.perf_counter()
+        flat, spec = tree_flatten((args, kwargs))
+        reads: list[ValueKey] = []
+        template: list[Any] = []
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                key = self.lookup(a)
+                reads.append(key)
+                template.append(_Ref(*key))
+            else:
+                template.append(a)
+        written = self._written_positions(func, args, kwargs)
+        tags = getattr(func, "tags", ())
+        random = torch.Tag.nondeterministic_seeded in tags
+        rng_state = _rng_snapshot(flat) if random else None
+        self.seconds += time.perf_counter() - start
+        out = func(*args, **kwargs)
+        start = time.perf_counter()
+        index = len(self.nodes)
+        reason = force_save_reason(func, args, kwargs, out)
+        if self._opaque_depth:
+            reason = "kernel outside the dispatcher (inside a custom autograd.Function)"
+        if any(self.slots[sid].producer == -2 for sid, _ in reads):
+            reason = "reads a view made outside the dispatcher"
+        node = OpNode(index, func, template, spec, reads, [], [], random=random, rng_state=rng_state)
+        for t in written:
+            key = self.lookup(t)
+            group = self.slots[key[0]].group
+            if group in self._external_groups:
+                reason = "side effect (writes a tensor the block did not produce)"
+                for slot in self.slots:
+                    if slot.group == group and slot.external is not None:
+                        slot.external.written = True
+            self.group_version[group] += 1
+            self.group_writes.setdefault(group, []).append((self.group_version[group], index))
+            node.writes.append(group)
+        flat_out = tree_flatten(out)[0]
+        for pos, o in enumerate(flat_out):
+            if not isinstance(o, torch.Tensor):
+                continue
+            if any(o is w for w in written):
+                sid = self.lookup(o)[0]
+            else:
+                group = self._group(o, create=True)
+                assert group is not None
+                sid = self._keys.get(_view_key(o, group)) if group in self._external_groups else None
+                if sid is None:
+                    sid = self._new_slot(o, group, producer=index, ext=None)
+            node.outs.append((pos, sid))
+            node.out_versions.append(self.group_version[self.slots[sid].group])
+        node.force_save = reason
+        if reason is not None or (self._save_fn is not None and self._save_fn(node)):
+            for (pos, sid), version in zip(node.outs, node.out_versions, strict=True):
+                self.captured[(sid, version)] = flat_out[pos]
+        if self._count_flops:
+            node.flops = _flops(func, args, kwargs, out)
+        self.nodes.append(node)
+        self.seconds += time.perf_counter() - start
+        return out
+
+    @staticmethod
+    def _written_positions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for i, arg in enumerate(func._schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for v in tree_flatten(value)[0]:
+                if isinstance(v, torch.Tensor):
+                    out.append(v)
+        return out
+
+    # ----- saved tensors ------------------------------------------------------------------
+    def on_pack(self, t: torch.Tensor) -> ValueKey | None:
+        """The internal value ``t`` is, or None when it must be kept as is."""
+        self.pack_meta.append((tuple(t.shape), t.dtype))
+        group = self._group(t, create=False)
+        key: ValueKey | None = None
+        if group is not None and group not in self._external_groups:
+            sid = self._keys.get(_view_key(t, group))
+            if sid is not None and self.slots[sid].producer >= 0:
+                key = (sid, self.group_version[group])
+        self.packs.append(key)
+        return key
+
+    def tape(self) -> Tape:
+        final = {
+            key: t
+            for key, t in self.captured.items()
+            if key[1] == self.group_version[self.slots[key[0]].group]
+        }
+        for slot in self.slots:
+            if slot.external is not None and slot.external.tensor is not None:
+                slot.external.version = slot.external.tensor._version
+        return Tape(
+            nodes=self.nodes,
+            slots=self.slots,
+            group_writes=self.group_writes,
+            group_version=self.group_version,
+            packs=self.packs,
+            pack_meta=self.pack_meta,
+            captured=final,
+        )
+
+    @contextlib.contextmanager
+    def opaque_functions(self) -> Iterator[None]:
+        """Mark every op run inside a custom ``autograd.Function`` as not replayable."""
+        cls = torch.autograd.function.Function
+        original = cls.__dict__["apply"]
+        recorder = self
+
+        def apply(fn_cls: Any, *args: Any, **kwargs: Any) -> Any:
+            recorder._opaque_depth += 1
+            try:
+                out = original.__func__(fn_cls, *args, **kwargs)
+            finally:
+                recorder._opaque_depth -= 1
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    recorder._mark_opaque_output(o)
+            return out
+
+        cls.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            cls.apply = original  # type: ignore[method-assign]
+
+    def _mark_opaque_output(self, t: torch.Tensor) -> None:
+        # The Function's outputs may have been filled outside the dispatcher: whichever node
+        # allocated them must not be replayed either, and the value is held from forward.
+        group = self._group(t, create=False)
+        if group is None:
+            return
+        sid = self._keys.get(_view_key(t, group))
+        if sid is None or self.slots[sid].producer < 0:
+            return
+        node = self.nodes[self.slots[sid].producer]
+        node.force_save = (
+            node.force_save or "kernel outside the dispatcher (inside a custom autograd.Function)"
+        )
+        version = self.group_version[group]
+        self.captured[(sid, version)] = t
+
+
+def _external_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _rng_snapshot(flat: list[Any]) -> Any:
+    device = next((a.device for a in flat if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    if device.type == "cuda":
+        return (device, torch.cuda.get_rng_state(device))
+    return (device, torch.get_rng_state())
+
+
+def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """FLOPs by torch's own FlopCounterMode formulas (matmuls and attention; 0 for the rest)."""
+    from torch.utils.flop_counter import flop_registry
+
+    fn = flop_registry.get(getattr(func, "overloadpacket", None))
+    if fn is None:
+        return 0
+    return int(fn(*args, **kwargs, out_val=out))
