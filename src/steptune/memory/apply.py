@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from steptune.memory.frame import Frame, ReplayStats, pack_hook, unpack_hook
 from steptune.memory.record import Recorder, _external_key
+from steptune.memory.reuse import TemplateCache, run_reused, signature, template_from
 from steptune.memory.tape import ExternalRef, OpNode
 
 __all__ = ["TapeSAC", "TapeSACConfig", "apply_tapesac_", "find_blocks"]
@@ -36,6 +37,10 @@ class TapeSACConfig:
     replay-only. The memory planner (issue #4) chooses per-value save sets instead."""
     save_fn: Callable[[OpNode], bool] | None = None
     """Advanced: decide per recorded node whether its outputs are saved."""
+    reuse_tapes: bool = True
+    """Record a block once per signature (shapes, dtypes, training flag, autocast) and reuse the
+    tape while it provably cannot change (no random op, host sync or data-dependent shape); later
+    forwards then run without the dispatch mode. False records every call."""
     count_flops: bool = False
     """Price each recorded op with torch's FLOP formulas (for reports; costs a little per op)."""
 
@@ -76,6 +81,7 @@ class TapeSAC:
     config: TapeSACConfig
     blocks: list[tuple[str, nn.Module]]
     stats: ReplayStats = field(default_factory=ReplayStats)
+    templates: TemplateCache = field(default_factory=TemplateCache)
 
     def remove(self) -> None:
         for _, block in self.blocks:
@@ -125,6 +131,11 @@ def _run_block(
         return forward(*args, **kwargs)
     stats = state.stats
     stats.forwards += 1
+    key = signature(block, args, kwargs) if state.config.reuse_tapes else None
+    if key is not None:
+        template = state.templates.get(key)
+        if template is not None:
+            return run_reused(template, Frame(name, stats), block, forward, args, kwargs)
     externals = _external_map(block, args, kwargs)
     recorder = Recorder(externals, save_fn=save_fn, count_flops=state.config.count_flops)
     frame = Frame(name, stats)
@@ -146,6 +157,9 @@ def _run_block(
         None,
         {s.sid: s.external.tensor for s in tape.slots if s.external and s.external.tensor is not None},
     )
+    if key is not None and not state.templates.seen_ineligible(key):
+        assert frame.plan is not None
+        state.templates.put(key, template_from(tape, frame.plan))
     return out
 
 

@@ -9,6 +9,7 @@ unpacked twice raises :class:`TapeSACError` (like torch's selective checkpointin
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,7 @@ class Frame:
         self.plan: ReplayPlan | None = None
         self.externals: dict[int, torch.Tensor] = {}
         self.saved: dict[ValueKey, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}
         self.pending: Counter[ValueKey] = Counter()
         self.results: dict[ValueKey, torch.Tensor] | None = None
 
@@ -62,11 +64,17 @@ class Frame:
         self.pending[key] += 1
         return Handle(self, key)
 
-    def close(self, tape: Tape, plan: ReplayPlan | None, externals: dict[int, torch.Tensor]) -> None:
+    def close(self, tape: Tape, plan: ReplayPlan | None, externals: Mapping[int, torch.Tensor]) -> None:
         """Called at the end of the block's forward."""
         self.tape = tape
         self.plan = plan if plan is not None else plan_replay(tape, set(tape.captured))
+        if len(self.pending) != len(tape.packed_internal()):
+            raise TapeSACError(
+                f"TapeSAC block {self.name!r}: backward will read {len(self.pending)} replayed values "
+                f"but its tape records {len(tape.packed_internal())}; the tape does not match this forward"
+            )
         self.externals = {sid: externals[sid] for sid in _external_reads(tape, self.plan)}
+        self.versions = {sid: t._version for sid, t in self.externals.items()}
         self.saved = {key: tape.captured[key] for key in self.plan.reads_saved}
         for key in self.pending:
             if key in tape.captured:
@@ -96,7 +104,7 @@ class Frame:
         for sid, tensor in self.externals.items():
             ext = self.tape.slots[sid].external
             assert ext is not None
-            if tensor._version != ext.version:
+            if tensor._version != self.versions[sid]:
                 what = f"argument {ext.index}" if ext.kind == "arg" else (ext.name or "a captured tensor")
                 raise TapeSACError(
                     f"{what} of TapeSAC block {self.name!r} (shape {tuple(tensor.shape)}) was modified "

@@ -53,6 +53,19 @@ def force_save_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     return None
 
 
+def _consumes_rng(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Seeded ops draw from the generator unless their dropout probability is 0 or train is False
+    (SDPA carries the tag even at dropout 0, pytorch/pytorch#187985)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name in ("dropout_p", "p", "train"):
+            value = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value)
+            if arg.name == "train" and value is False:
+                return False
+            if arg.name in ("dropout_p", "p") and isinstance(value, (int, float)) and value == 0:
+                return False
+    return True
+
+
 def _training_flag(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     for i, arg in enumerate(func._schema.arguments):
         if arg.name == "training":
@@ -167,7 +180,7 @@ class Recorder(TorchDispatchMode):
                 template.append(a)
         written = self._written_positions(func, args, kwargs)
         tags = getattr(func, "tags", ())
-        random = torch.Tag.nondeterministic_seeded in tags
+        random = torch.Tag.nondeterministic_seeded in tags and _consumes_rng(func, args, kwargs)
         rng_state = _rng_snapshot(flat) if random else None
         self.seconds += time.perf_counter() - start
         out = func(*args, **kwargs)

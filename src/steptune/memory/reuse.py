@@ -1,0 +1,173 @@
+"""Tape reuse: record a block once per signature, then run later forwards without the dispatch mode.
+
+Contract: a recorded tape becomes a :class:`Template` only when nothing in it can vary with tensor
+*values* between calls of the same signature: no random op (its generator state is per call), no
+force-saved node (host syncs and data-dependent shapes make the op sequence value-dependent), no
+captured external (only block arguments and the block's own parameters and buffers, found again
+by position and name), and no saved value the pack hooks would not deliver. A reused forward runs
+under saved-tensor hooks alone and matches autograd's packs to the template by order, checking
+each one's shape and dtype; any mismatch raises :class:`TapeSACError` rather than replaying a
+stale tape. The template holds no tensor.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from steptune.memory.frame import Frame, pack_hook, unpack_hook
+from steptune.memory.replay import ReplayPlan
+from steptune.memory.tape import Tape, TapeSACError
+
+__all__ = ["Template", "TemplateCache", "run_reused", "signature", "template_from"]
+
+_PRIMITIVES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    tape: Tape
+    plan: ReplayPlan
+    externals: tuple[tuple[int, str, int, str], ...]
+    """(slot id, kind, arg index, name) for each external the replay reads."""
+
+
+class TemplateCache:
+    """Templates by block signature (identical blocks share one); at most ``capacity`` kept."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[Any, Template | None] = OrderedDict()
+
+    def get(self, key: Any) -> Template | None:
+        hit = self._items.get(key)
+        if hit is not None:
+            self._items.move_to_end(key)
+        return hit
+
+    def seen_ineligible(self, key: Any) -> bool:
+        return key in self._items and self._items[key] is None
+
+    def put(self, key: Any, template: Template | None) -> None:
+        self._items[key] = template
+        self._items.move_to_end(key)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return sum(1 for t in self._items.values() if t is not None)
+
+
+def signature(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any | None:
+    """What a tape depends on besides tensor values; None when a call cannot be keyed safely."""
+    flat, spec = tree_flatten((args, kwargs))
+    leaves: list[Any] = []
+    first_of_storage: dict[int, int] = {}
+    for i, a in enumerate(flat):
+        if isinstance(a, torch.Tensor):
+            storage = a.untyped_storage()._cdata
+            alias = first_of_storage.setdefault(storage, i)
+            leaves.append(
+                (
+                    tuple(a.shape),
+                    tuple(a.stride()),
+                    a.storage_offset(),
+                    a.dtype,
+                    a.device,
+                    a.requires_grad,
+                    alias,
+                )
+            )
+        elif isinstance(a, _PRIMITIVES):
+            leaves.append(a)
+        else:
+            return None  # an object (a KV cache, say) may steer the forward: record every call
+    params = tuple(
+        (name, tuple(p.shape), p.dtype, p.device, p.requires_grad)
+        for name, p in list(block.named_parameters()) + list(block.named_buffers())
+    )
+    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+    return (type(block), str(spec), tuple(leaves), params, block.training, autocast)
+
+
+def template_from(tape: Tape, plan: ReplayPlan) -> Template | None:
+    """A reusable template, or None when the tape may differ between calls (see the contract)."""
+    if any(n.random or n.force_save is not None for n in tape.nodes):
+        return None
+    if plan.reads_saved or any(key in tape.captured for key in tape.packed_internal()):
+        return None
+    externals = []
+    for n in plan.order:
+        for sid, _ in tape.nodes[n].reads:
+            ext = tape.slots[sid].external
+            if tape.slots[sid].producer != -1 or ext is None:
+                continue
+            if ext.kind == "captured" or ext.written:
+                return None
+            externals.append((sid, ext.kind, ext.index, ext.name))
+    stripped = Tape(
+        nodes=tape.nodes,
+        slots=tape.slots,
+        group_writes=tape.group_writes,
+        group_version=tape.group_version,
+        packs=tape.packs,
+        pack_meta=tape.pack_meta,
+        captured={},
+    )
+    return Template(stripped, plan, tuple(dict.fromkeys(externals)))
+
+
+def run_reused(
+    template: Template,
+    frame: Frame,
+    block: nn.Module,
+    forward: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    tape = template.tape
+    count = 0
+
+    def pack(t: torch.Tensor) -> Any:
+        nonlocal count
+        i = count
+        count += 1
+        if i >= len(tape.packs) or (tuple(t.shape), t.dtype) != tape.pack_meta[i]:
+            got = f"{tuple(t.shape)} {t.dtype}"
+            want = "nothing" if i >= len(tape.packs) else f"{tape.pack_meta[i][0]} {tape.pack_meta[i][1]}"
+            raise TapeSACError(
+                f"TapeSAC block {frame.name!r}: saved tensor {i} of this forward is {got}, its recorded "
+                f"tape expected {want}; the block's ops depend on more than its input shapes. Set "
+                "TapeSACConfig(reuse_tapes=False) to record every call"
+            )
+        return pack_hook(frame, tape.packs[i], t)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook):
+        out = forward(*args, **kwargs)
+    if count != len(tape.packs):
+        raise TapeSACError(
+            f"TapeSAC block {frame.name!r}: this forward saved {count} tensors for backward, its "
+            f"recorded tape {len(tape.packs)}; set TapeSACConfig(reuse_tapes=False) to record every call"
+        )
+    flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    externals: dict[int, torch.Tensor] = {}
+    for sid, kind, index, name in template.externals:
+        if kind == "arg":
+            externals[sid] = flat[index]
+        else:
+            externals[sid] = _param_or_buffer(block, name)
+    frame.close(tape, template.plan, externals)
+    return out
+
+
+def _param_or_buffer(block: nn.Module, name: str) -> torch.Tensor:
+    try:
+        return block.get_parameter(name)
+    except AttributeError:
+        return block.get_buffer(name)
