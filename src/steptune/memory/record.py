@@ -39,7 +39,7 @@ def force_save_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if namespace in _COLLECTIVE_NAMESPACES:
         return "collective"
     tags = getattr(func, "tags", ())
-    if any(tag in tags for tag in _SYNC_TAGS):
+    if any(tag in tags for tag in _SYNC_TAGS) and not _integer_indexing(func, args):
         return "host sync or data-dependent shape"
     if torch.Tag.nondeterministic_bitwise in tags:
         return "nondeterministic kernel"
@@ -51,6 +51,22 @@ def force_save_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if _crosses_to_host(args, out):
         return "host sync or data-dependent shape"
     return None
+
+
+def _integer_indexing(func: Any, args: tuple[Any, ...]) -> bool:
+    """``aten.index`` carries the dynamic-shape tag for boolean masks; with integer indices its
+    output shape follows the index shapes and replay is as static as any gather."""
+    if func is not torch.ops.aten.index.Tensor or len(args) < 2:
+        return False
+    return all(
+        i is None
+        or (
+            isinstance(i, torch.Tensor)
+            and not i.is_floating_point()
+            and i.dtype not in (torch.bool, torch.uint8)
+        )
+        for i in args[1]
+    )
 
 
 def _consumes_rng(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -1,0 +1,190 @@
+"""Side-by-side measurement of TapeSAC against torch's own checkpointing on the same model and batch.
+
+Policies (all applied to the same blocks, removed afterwards):
+- ``no_ac``: plain training.
+- ``full_ac``: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, early stop on (torch's
+  default; HF's ``gradient_checkpointing_enable`` uses it).
+- ``full_ac_no_early_stop``: the same with ``early_stop=False`` (torchtitan's setting).
+- ``tapesac_replay``: :func:`apply_tapesac_` with an empty save set (replay only).
+
+Work is counted in backward by a dispatch mode (ops and torch's FLOP formulas): the recomputation
+a policy adds is its backward count minus ``no_ac``'s, so every policy is measured the same way.
+Peak memory is torch's storage-level ``MemTracker`` (total bytes, all categories).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from steptune.memory.apply import TapeSACConfig, apply_tapesac_, find_blocks
+
+__all__ = [
+    "POLICIES",
+    "OpCounter",
+    "Work",
+    "apply_policy",
+    "grads",
+    "max_abs_diff",
+    "measure_peak",
+    "measure_work",
+    "time_policies",
+]
+
+POLICIES = ("no_ac", "full_ac", "full_ac_no_early_stop", "tapesac_replay")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops and their FLOPs (torch's FlopCounterMode formulas)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.flops = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops[str(func)] += 1
+        fn = flop_registry.get(func.overloadpacket)
+        if fn is not None:
+            self.flops += int(fn(*args, **kwargs, out_val=out))
+        return out
+
+
+@contextlib.contextmanager
+def apply_policy(model: nn.Module, policy: str, blocks: Any = None) -> Iterator[Any]:
+    """Apply one of :data:`POLICIES` to ``model``'s blocks for the duration of the context."""
+    if policy == "no_ac":
+        yield None
+        return
+    if policy == "tapesac_replay":
+        handle = apply_tapesac_(model, TapeSACConfig(blocks=blocks))
+        try:
+            yield handle
+        finally:
+            handle.remove()
+        return
+    if policy not in ("full_ac", "full_ac_no_early_stop"):
+        raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+    early_stop = policy == "full_ac"
+    wrapped = find_blocks(model, blocks)
+    for _, block in wrapped:
+        block.forward = functools.partial(_checkpointed, block.forward, early_stop)  # type: ignore[method-assign]
+    try:
+        yield None
+    finally:
+        for _, block in wrapped:
+            del block.forward
+
+
+def _checkpointed(forward: Callable[..., Any], early_stop: bool, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, early_stop=early_stop, **kwargs)
+
+
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    out = model(**batch)
+    return out.loss if hasattr(out, "loss") else out
+
+
+def grads(
+    model: nn.Module, batch: dict[str, torch.Tensor], policy: str, blocks: Any = None
+) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with apply_policy(model, policy, blocks):
+        _loss(model, batch).backward()
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if a.keys() != b.keys():
+        raise ValueError(f"gradient sets differ: {sorted(a.keys() ^ b.keys())[:5]}")
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    backward_ops: int
+    backward_flops: int
+    ops: dict[str, int]
+
+
+def measure_work(model: nn.Module, batch: dict[str, torch.Tensor], policy: str, blocks: Any = None) -> Work:
+    """Ops and FLOPs dispatched during backward under ``policy`` (recomputation included)."""
+    model.zero_grad(set_to_none=True)
+    with apply_policy(model, policy, blocks):
+        loss = _loss(model, batch)
+        counter = OpCounter()
+        with counter:
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+    return Work(sum(counter.ops.values()), counter.flops, dict(counter.ops))
+
+
+def measure_peak(model: nn.Module, batch: dict[str, torch.Tensor], policy: str, blocks: Any = None) -> int:
+    """Peak bytes of one forward+backward (all live storages) by torch's ``MemTracker``."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model.zero_grad(set_to_none=True)
+    with apply_policy(model, policy, blocks):
+        tracker = MemTracker()
+        tracker.track_external(model, *batch.values())
+        with tracker:
+            _loss(model, batch).backward()
+        snapshot = tracker.get_tracker_snapshot("peak")
+    model.zero_grad(set_to_none=True)
+    return max(int(per_device["Total"]) for per_device in snapshot.values())
+
+
+def time_policies(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    policies: tuple[str, ...],
+    *,
+    repeats: int = 7,
+    warmup: int = 1,
+    blocks: Any = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, list[float]]:
+    """Step times (forward+backward) per policy, interleaved round by round on the same batch."""
+    times: dict[str, list[float]] = {p: [] for p in policies}
+    total = (repeats + warmup) * len(policies)
+    done = 0
+    for r in range(repeats + warmup):
+        for policy in policies:
+            with apply_policy(model, policy, blocks):
+                model.zero_grad(set_to_none=True)
+                start = time.perf_counter()
+                _loss(model, batch).backward()
+                elapsed = time.perf_counter() - start
+            if r >= warmup:
+                times[policy].append(elapsed)
+            done += 1
+            if progress is not None:
+                progress(done, total)
+    model.zero_grad(set_to_none=True)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
