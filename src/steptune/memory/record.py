@@ -14,6 +14,7 @@ a custom ``autograd.Function``), random ops with an explicit generator, nondeter
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -291,26 +292,34 @@ class Recorder(TorchDispatchMode):
     @contextlib.contextmanager
     def opaque_functions(self) -> Iterator[None]:
         """Mark every op run inside a custom ``autograd.Function`` as not replayable."""
-        cls = torch.autograd.function.Function
-        original = cls.__dict__["apply"]
-        recorder = self
-
-        def apply(fn_cls: Any, *args: Any, **kwargs: Any) -> Any:
-            recorder._opaque_depth += 1
-            try:
-                out = original.__func__(fn_cls, *args, **kwargs)
-            finally:
-                recorder._opaque_depth -= 1
-            for o in tree_flatten(out)[0]:
-                if isinstance(o, torch.Tensor):
-                    recorder._mark_opaque_output(o)
-            return out
-
-        cls.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+        stack = _recorders()
+        stack.append(self)
+        _install_apply_patch()
         try:
             yield
         finally:
-            cls.apply = original  # type: ignore[method-assign]
+            stack.pop()
+            _remove_apply_patch()
+
+    def _opaque_write(self, name: str, flat: list[Any]) -> None:
+        """A call that may have written each of these tensors outside the dispatcher."""
+        index = len(self.nodes)
+        node = OpNode(index, name, [], None, [], [], [], force_save="collective")
+        for t in flat:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = self.lookup(t)
+            node.reads.append(key)
+            group = self.slots[key[0]].group
+            if group in self._external_groups:
+                node.force_save = "collective (writes a tensor the block did not produce)"
+            self.group_version[group] += 1
+            self.group_writes.setdefault(group, []).append((self.group_version[group], index))
+            node.writes.append(group)
+            node.outs.append((len(node.outs), key[0]))
+            node.out_versions.append(self.group_version[group])
+            self.captured[(key[0], self.group_version[group])] = t
+        self.nodes.append(node)
 
     def _mark_opaque_output(self, t: torch.Tensor) -> None:
         # The Function's outputs may have been filled outside the dispatcher: whichever node
@@ -327,6 +336,92 @@ class Recorder(TorchDispatchMode):
         )
         version = self.group_version[group]
         self.captured[(sid, version)] = t
+
+
+_local = threading.local()
+_patch_lock = threading.Lock()
+_patch_users = 0
+_original_apply: Any = None
+
+
+def _recorders() -> list[Recorder]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    stack: list[Recorder] = _local.stack
+    return stack
+
+
+def _patched_apply(fn_cls: Any, *args: Any, **kwargs: Any) -> Any:
+    stack = _recorders()
+    recorder = stack[-1] if stack else None
+    if recorder is None:
+        return _original_apply.__func__(fn_cls, *args, **kwargs)
+    recorder._opaque_depth += 1
+    try:
+        out = _original_apply.__func__(fn_cls, *args, **kwargs)
+    finally:
+        recorder._opaque_depth -= 1
+    for o in tree_flatten(out)[0]:
+        if isinstance(o, torch.Tensor):
+            recorder._mark_opaque_output(o)
+    return out
+
+
+# torch.distributed's eager collectives write their tensors below the dispatch mode (no aten op,
+# no version bump): each call is recorded as an opaque write of every tensor it was given.
+_DIST_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "scatter",
+    "gather",
+    "recv",
+    "irecv",
+)
+_original_dist: dict[str, Any] = {}
+
+
+def _patched_collective(name: str) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = _original_dist[name](*args, **kwargs)
+        stack = _recorders()
+        if stack:
+            stack[-1]._opaque_write(name, tree_flatten((args, kwargs))[0])
+        return out
+
+    return call
+
+
+def _install_apply_patch() -> None:
+    # Function.apply and torch.distributed's functions are process-wide: patch them once
+    # (refcounted across threads); each patched call finds the calling thread's recorder, or none.
+    global _patch_users, _original_apply
+    with _patch_lock:
+        if _patch_users == 0:
+            _original_apply = torch.autograd.function.Function.__dict__["apply"]
+            torch.autograd.function.Function.apply = classmethod(_patched_apply)  # type: ignore[assignment,method-assign]
+            if torch.distributed.is_available():
+                for name in _DIST_COLLECTIVES:
+                    _original_dist[name] = getattr(torch.distributed, name)
+                    setattr(torch.distributed, name, _patched_collective(name))
+        _patch_users += 1
+
+
+def _remove_apply_patch() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users -= 1
+        if _patch_users == 0:
+            torch.autograd.function.Function.apply = _original_apply  # type: ignore[method-assign]
+            for name, fn in _original_dist.items():
+                setattr(torch.distributed, name, fn)
+            _original_dist.clear()
 
 
 def _external_key(t: torch.Tensor) -> tuple[Any, ...]:

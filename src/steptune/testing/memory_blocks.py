@@ -1,0 +1,167 @@
+"""Small blocks that exercise each corner of the tape (dropout, in-place and views, opaque kernels,
+host syncs, side effects), shared by the memory tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Chain(nn.Module):
+    """Stacks ``num`` copies of a block between two linears, like a decoder stack."""
+
+    def __init__(self, block: type[nn.Module], num: int = 2, width: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.layers = nn.ModuleList(block(width) for _ in range(num))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h).square().mean()
+
+
+class DropoutBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(self.drop(torch.nn.functional.gelu(self.a(x))))
+
+
+class InplaceViewBlock(nn.Module):
+    """In-place writes through views, in-place activations, slices, transposes and copy_."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        g = h * 1.0
+        g.view(g.shape[0], 4, -1).transpose(1, 2).mul_(0.5)  # write through a transposed view
+        g.relu_()
+        s = g.sigmoid()
+        half = g[:, : g.shape[1] // 2]
+        mixed = torch.cat([half * s[:, : g.shape[1] // 2], g[:, g.shape[1] // 2 :]], dim=1)
+        buf = torch.empty_like(mixed)
+        buf.copy_(mixed * 2.0)
+        buf.add_(h.tanh())
+        return x + self.b(torch.cat([buf, g], dim=1))
+
+
+class _NumpySquare(torch.autograd.Function):
+    """Fills its output outside the dispatcher (through a numpy view), like a raw Triton launch."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        out = torch.full_like(x, float("nan"))  # a replay of this allocation alone yields NaN
+        out.detach().numpy()[...] = x.detach().numpy() ** 2
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class OpaqueBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(_NumpySquare.apply(self.a(x)))
+
+
+class SyncBlock(nn.Module):
+    """Host syncs and data-dependent shapes: nonzero, boolean masking and ``.item()``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        rows = (h.sum(dim=1) > 0).nonzero().squeeze(1)
+        scale = float(h.abs().max().item())
+        picked = torch.zeros_like(h)
+        picked[rows] = h[rows] / scale
+        return x + self.b(picked.sigmoid())
+
+
+class BatchNormBlock(nn.Module):
+    """Batch norm in training updates running statistics: replaying it would update them twice."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.norm(self.a(x))))
+
+
+class GeneratorNoiseBlock(nn.Module):
+    """Noise from the block's own generator: replay cannot rewind a generator it does not own."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.generator = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand(x.shape, generator=self.generator)
+        return x + self.b(self.a(x) * noise)
+
+
+class ToggleBlock(nn.Module):
+    """Its ops depend on a Python flag that no tensor shape reveals."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).tanh()
+        if self.extra:
+            h = h.sigmoid()
+        return x + h
+
+
+class CollectiveBlock(nn.Module):
+    """All-reduces a statistic across the group in forward (as a data-parallel norm would)."""
+
+    def __init__(self, width: int, group: object = None, functional: bool = False) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.group = group
+        self.functional = functional
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        h = self.a(x)
+        stat = h.detach().pow(2).mean(dim=0)
+        if self.functional:  # an aten-level op the dispatcher sees
+            stat = funcol.wait_tensor(funcol.all_reduce(stat, "sum", self.group))
+        else:  # eager c10d: runs below the dispatch mode
+            dist.all_reduce(stat, group=self.group)
+        return x + self.b(h * stat.rsqrt())
+
+
+class DenseBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.norm = nn.RMSNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.nn.functional.silu(self.a(self.norm(x))))

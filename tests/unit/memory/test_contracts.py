@@ -1,0 +1,103 @@
+"""TapeSAC's contracts fail loudly: a second backward, an external mutated between forward and
+backward, a tape that no longer matches the forward, bad configuration."""
+
+import pytest
+import torch
+
+from steptune.memory import TapeSACConfig, TapeSACError, apply_tapesac_
+from steptune.memory.measure import max_abs_diff
+from steptune.testing.memory_blocks import Chain, DenseBlock, ToggleBlock
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _model(block=DenseBlock):
+    torch.manual_seed(0)
+    return Chain(block)
+
+
+def test_second_backward_through_the_same_graph_raises():
+    model = _model()
+    apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
+    loss = model(torch.randn(4, 32))
+    loss.backward(retain_graph=True)
+    with pytest.raises(TapeSACError, match="second backward"):
+        loss.backward()
+
+
+def test_parameter_mutated_between_forward_and_backward_raises():
+    model = _model()
+    apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
+    loss = model(torch.randn(4, 32))
+    with torch.no_grad():
+        model.layers[1].a.weight.add_(1.0)  # an optimizer step before backward, say
+    with pytest.raises(TapeSACError, match=r"a\.weight .*modified in place between forward and backward"):
+        loss.backward()
+
+
+def test_input_mutated_between_forward_and_backward_raises():
+    model = _model()
+    apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
+    x = torch.randn(4, 32, requires_grad=True)
+    h = x * 1.0
+    loss = model.layers[0](h).sum()
+    with torch.no_grad():
+        h.mul_(2.0)
+    with pytest.raises(TapeSACError, match=r"argument 0 .*modified in place"):
+        loss.backward()
+
+
+def test_a_new_shape_records_a_new_tape():
+    model = _model()
+    handle = apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
+    for rows in (4, 6, 4):
+        x = torch.randn(rows, 32)
+        model(x).backward()
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        handle.remove()
+        model(x).backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        handle = apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
+        assert max_abs_diff(want, got) == 0.0
+    handle.remove()
+
+
+def test_a_tape_that_no_longer_matches_the_forward_raises():
+    model = _model(ToggleBlock)
+    apply_tapesac_(model, TapeSACConfig(blocks=(ToggleBlock,)))
+    model(torch.randn(4, 32)).backward()
+    for layer in model.layers:
+        layer.extra = True  # the ops change, the input shapes do not
+    with pytest.raises(TapeSACError, match=r"reuse_tapes=False"):
+        model(torch.randn(4, 32)).backward()
+
+
+def test_recording_every_call_follows_python_level_changes():
+    model = _model(ToggleBlock)
+    handle = apply_tapesac_(model, TapeSACConfig(blocks=(ToggleBlock,), reuse_tapes=False))
+    model(torch.randn(4, 32)).backward()
+    for layer in model.layers:
+        layer.extra = True
+    model(torch.randn(4, 32)).backward()
+    assert handle.stats.recorded == 4
+
+
+def test_bad_configuration_says_what_to_change():
+    model = _model()
+    with pytest.raises(ValueError, match="selected no module"):
+        apply_tapesac_(model, TapeSACConfig(blocks="decoder.*"))
+    handle = apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
+    with pytest.raises(ValueError, match="already applied"):
+        apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
+    handle.remove()
+
+
+def test_no_grad_forward_runs_untouched():
+    model = _model()
+    handle = apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
+    with torch.no_grad():
+        model(torch.randn(4, 32))
+    assert handle.stats.forwards == 0
+    handle.remove()
