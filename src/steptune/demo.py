@@ -14,12 +14,18 @@ def run_demo(out_dir: Path) -> Path:
     from rich.console import Console
 
     from steptune.core.demo import run_core_demo
+    from steptune.memory.demo import run_memory_demo
     from steptune.pipeline.demo import run_pipeline_demo
     from steptune.resilience.demo import run_resilience_demo
 
     console = Console()
     # Areas add theirs as they start to work.
-    demos = [("core", run_core_demo), ("pipeline", run_pipeline_demo), ("resilience", run_resilience_demo)]
+    demos = [
+        ("core", run_core_demo),
+        ("memory", run_memory_demo),
+        ("pipeline", run_pipeline_demo),
+        ("resilience", run_resilience_demo),
+    ]
     sections = ["# steptune demo", "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}.", ""]
     for name, fn in demos:
         t0 = time.perf_counter()

@@ -92,12 +92,17 @@ class TapeSAC:
             del self.model._tapesac
 
 
-def apply_tapesac_(model: nn.Module, config: TapeSACConfig | None = None) -> TapeSAC:
-    """Wrap ``model``'s blocks in place; returns a :class:`TapeSAC` whose ``remove()`` undoes it."""
+def apply_tapesac_(
+    model: nn.Module, config: TapeSACConfig | None = None, *, templates: TemplateCache | None = None
+) -> TapeSAC:
+    """Wrap ``model``'s blocks in place; returns a :class:`TapeSAC` whose ``remove()`` undoes it.
+    Pass an earlier handle's ``templates`` to keep its recorded tapes across remove/apply."""
     config = config or TapeSACConfig()
     if getattr(model, "_tapesac", None) is not None:
         raise ValueError("TapeSAC is already applied to this model; call .remove() on it first")
     state = TapeSAC(model, config, find_blocks(model, config.blocks))
+    if templates is not None:
+        state.templates = templates
     save_fn = _save_fn(config)
     for name, block in state.blocks:
         if "forward" in block.__dict__:

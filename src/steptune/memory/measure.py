@@ -18,6 +18,7 @@ import contextlib
 import functools
 import statistics
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from steptune.memory.apply import TapeSACConfig, apply_tapesac_, find_blocks
+from steptune.memory.reuse import TemplateCache
 
 __all__ = [
     "POLICIES",
@@ -41,20 +43,24 @@ __all__ = [
     "time_policies",
 ]
 
+_TEMPLATES: weakref.WeakKeyDictionary[nn.Module, TemplateCache] = weakref.WeakKeyDictionary()
 POLICIES = ("no_ac", "full_ac", "full_ac_no_early_stop", "tapesac_replay")
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops and their FLOPs (torch's FlopCounterMode formulas)."""
+    """Counts aten ops, their FLOPs (torch's FlopCounterMode formulas) and the bytes of fresh
+    outputs (views and in-place results excluded), the measure of pointwise work."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.flops = 0
+        self.bytes_written = 0
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        from torch.utils._pytree import tree_flatten
         from torch.utils.flop_counter import flop_registry
 
         kwargs = kwargs or {}
@@ -63,6 +69,12 @@ class OpCounter(TorchDispatchMode):
         fn = flop_registry.get(func.overloadpacket)
         if fn is not None:
             self.flops += int(fn(*args, **kwargs, out_val=out))
+        inputs = {
+            a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+        }
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in inputs:
+                self.bytes_written += o.numel() * o.element_size()
         return out
 
 
@@ -73,7 +85,9 @@ def apply_policy(model: nn.Module, policy: str, blocks: Any = None) -> Iterator[
         yield None
         return
     if policy == "tapesac_replay":
-        handle = apply_tapesac_(model, TapeSACConfig(blocks=blocks))
+        # Tapes persist across applications on the same model, as they do across steps in training.
+        templates = _TEMPLATES.setdefault(model, TemplateCache())
+        handle = apply_tapesac_(model, TapeSACConfig(blocks=blocks), templates=templates)
         try:
             yield handle
         finally:
@@ -126,6 +140,7 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 class Work:
     backward_ops: int
     backward_flops: int
+    backward_bytes: int
     ops: dict[str, int]
 
 
@@ -138,7 +153,7 @@ def measure_work(model: nn.Module, batch: dict[str, torch.Tensor], policy: str, 
         with counter:
             loss.backward()
     model.zero_grad(set_to_none=True)
-    return Work(sum(counter.ops.values()), counter.flops, dict(counter.ops))
+    return Work(sum(counter.ops.values()), counter.flops, counter.bytes_written, dict(counter.ops))
 
 
 def measure_peak(model: nn.Module, batch: dict[str, torch.Tensor], policy: str, blocks: Any = None) -> int:

@@ -1,0 +1,159 @@
+"""`steptune memory compare`: replay-only TapeSAC against no checkpointing and torch's full
+checkpointing (early stop on and off) on one HF model, same batch, measured in one run.
+
+Per policy: max |grad - no_ac grad|, recomputation added to backward (ops, matmul/attention FLOPs,
+bytes of fresh outputs), peak bytes (MemTracker, one step) and the median step time of interleaved
+repeated steps. Times on this CPU are CPU times; they are not GPU speedups.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steptune.core.report import Table
+from steptune.memory.measure import POLICIES, grads, max_abs_diff, measure_peak, measure_work, time_policies
+from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
+
+__all__ = ["CompareRow", "compare", "compare_table"]
+
+
+@dataclass(frozen=True, slots=True)
+class CompareRow:
+    policy: str
+    grad_max_abs_diff: float
+    recompute_ops: int
+    recompute_flops: int
+    recompute_bytes: int
+    peak_bytes: int
+    step_time_s: float | None
+    step_times_s: list[float]
+
+
+def compare(
+    model_name: str,
+    *,
+    repeats: int = 7,
+    timed: bool = True,
+    policies: tuple[str, ...] = POLICIES,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Measure every policy on ``model_name``; returns a JSON-ready dict with ``rows``."""
+    say = progress or (lambda msg: None)
+    model = build_model(model_name)
+    batch = make_batch(model_name)
+    say("gradients")
+    reference = grads(model, batch, "no_ac")
+    base = measure_work(model, batch, "no_ac")
+    layer_ms = _layer_forward_ms(model, batch)
+    rows: dict[str, dict[str, Any]] = {}
+    for policy in policies:
+        say(f"work and peak: {policy}")
+        diff = max_abs_diff(reference, grads(model, batch, policy))
+        work = measure_work(model, batch, policy)
+        rows[policy] = {
+            "policy": policy,
+            "grad_max_abs_diff": diff,
+            "recompute_ops": work.backward_ops - base.backward_ops,
+            "recompute_flops": work.backward_flops - base.backward_flops,
+            "recompute_bytes": work.backward_bytes - base.backward_bytes,
+            "peak_bytes": measure_peak(model, batch, policy),
+            "step_time_s": None,
+            "step_times_s": [],
+        }
+    if timed:
+        times = time_policies(
+            model, batch, policies, repeats=repeats, progress=lambda d, t: say(f"timing {d}/{t}")
+        )
+        for policy, ts in times.items():
+            rows[policy]["step_times_s"] = ts
+            rows[policy]["step_time_s"] = statistics.median(ts)
+    preset = MODEL_PRESETS[model_name]
+    return {
+        "model": model_name,
+        "family": preset.family,
+        "config": preset.config,
+        "batch": preset.batch,
+        "seq": preset.seq,
+        "layer_forward_ms": layer_ms,
+        "repeats": repeats if timed else 0,
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": [asdict(CompareRow(**r)) for r in rows.values()],
+    }
+
+
+def _layer_forward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    """Median forward time of the first decoder layer over 3 plain steps (hooks, no checkpointing)."""
+    layer = model.model.layers[0]  # type: ignore[index,union-attr]
+    stamps: list[float] = []
+    pre = layer.register_forward_pre_hook(lambda *a: stamps.append(time.perf_counter()))
+    post = layer.register_forward_hook(lambda *a: stamps.append(time.perf_counter()))
+    spans = []
+    try:
+        for _ in range(3):
+            stamps.clear()
+            with torch.no_grad():
+                model(**batch)
+            spans.append((stamps[1] - stamps[0]) * 1e3)
+    finally:
+        pre.remove()
+        post.remove()
+    return statistics.median(spans)
+
+
+def compare_table(result: dict[str, Any]) -> Table:
+    rows = {r["policy"]: r for r in result["rows"]}
+    tape = rows.get("tapesac_replay")
+    table = Table(
+        title=(
+            f"{result['model']} ({result['family']}, batch {result['batch']} x {result['seq']} tokens, "
+            f"layer forward {result['layer_forward_ms']:.0f} ms): TapeSAC replay-only vs torch checkpointing"
+        ),
+        columns=[
+            "policy",
+            "max |dgrad|",
+            "recomputed ops",
+            "recomputed GFLOP",
+            "recomputed MiB written",
+            "peak MiB",
+            "step s (median)",
+            "TapeSAC time / this",
+        ],
+    )
+    for name, r in rows.items():
+        t = r["step_time_s"]
+        ratio = tape["step_time_s"] / t if tape is not None and t and tape["step_time_s"] else None
+        table.add(
+            name,
+            r["grad_max_abs_diff"],
+            r["recompute_ops"],
+            round(r["recompute_flops"] / 1e9, 3),
+            round(r["recompute_bytes"] / 2**20, 2),
+            round(r["peak_bytes"] / 2**20, 2),
+            None if t is None else round(t, 4),
+            None if ratio is None else round(ratio, 3),
+        )
+    table.notes.append(
+        f"MEASURED on {result['machine']}, {result['date']}; times are medians of {result['repeats']} "
+        "interleaved steps on this CPU, not GPU figures"
+    )
+    table.notes.append(
+        "recomputation = backward work under the policy minus no_ac's (ops, torch FLOP formulas, bytes of "
+        "fresh outputs); peak = torch MemTracker, all live storages"
+    )
+    return table
+
+
+def write_json(result: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
