@@ -156,11 +156,20 @@ def measure_work(model: nn.Module, batch: dict[str, torch.Tensor], policy: str, 
     return Work(sum(counter.ops.values()), counter.flops, counter.bytes_written, dict(counter.ops))
 
 
-def measure_peak(model: nn.Module, batch: dict[str, torch.Tensor], policy: str, blocks: Any = None) -> int:
-    """Peak bytes of one forward+backward (all live storages) by torch's ``MemTracker``."""
+def measure_peak(
+    model: nn.Module, batch: dict[str, torch.Tensor], policy: str, blocks: Any = None
+) -> tuple[int, int]:
+    """``(peak, static)`` bytes of one forward+backward by torch's ``MemTracker`` (all live
+    storages). Gradients are allocated before the step, as a training loop's are after its first
+    step, so ``peak - static`` is the step's activation and temporary peak."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    model.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    storages = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in _static_tensors(model, batch)
+    }
     with apply_policy(model, policy, blocks):
         tracker = MemTracker()
         tracker.track_external(model, *batch.values())
@@ -168,7 +177,13 @@ def measure_peak(model: nn.Module, batch: dict[str, torch.Tensor], policy: str, 
             _loss(model, batch).backward()
         snapshot = tracker.get_tracker_snapshot("peak")
     model.zero_grad(set_to_none=True)
-    return max(int(per_device["Total"]) for per_device in snapshot.values())
+    return max(int(per_device["Total"]) for per_device in snapshot.values()), sum(storages.values())
+
+
+def _static_tensors(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    out = [*model.parameters(), *model.buffers(), *batch.values()]
+    out += [p.grad for p in model.parameters() if p.grad is not None]
+    return out
 
 
 def time_policies(

@@ -42,7 +42,7 @@ def force_save_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     tags = getattr(func, "tags", ())
     if any(tag in tags for tag in _SYNC_TAGS) and not _integer_indexing(func, args):
         return "host sync or data-dependent shape"
-    if torch.Tag.nondeterministic_bitwise in tags:
+    if getattr(torch.Tag, "nondeterministic_bitwise", None) in tags:
         return "nondeterministic kernel"
     base = func._schema.name.split("::")[-1]
     if base in _HIDDEN_WRITERS and _training_flag(func, args, kwargs):
