@@ -1,9 +1,10 @@
 """`steptune memory compare`: replay-only TapeSAC against no checkpointing and torch's full
 checkpointing (early stop on and off) on one HF model, same batch, measured in one run.
 
-Per policy: max |grad - no_ac grad|, recomputation added to backward (ops, matmul/attention FLOPs,
-bytes of fresh outputs), peak bytes (MemTracker, one step) and the median step time of interleaved
-repeated steps. Times on this CPU are CPU times; they are not GPU speedups.
+Per policy: max |grad - no_ac grad| (both on one thread, see ``_single_thread``), recomputation
+added to backward (ops, matmul/attention FLOPs, bytes of fresh outputs), peak bytes (MemTracker,
+one step) and the median step time of interleaved repeated steps. Times on this CPU are CPU
+times; they are not GPU speedups.
 """
 
 from __future__ import annotations
@@ -53,13 +54,13 @@ def compare(
     model = build_model(model_name)
     batch = make_batch(model_name)
     say("gradients")
-    reference = grads(model, batch, "no_ac")
+    reference = _single_thread(grads, model, batch, "no_ac")
     base = measure_work(model, batch, "no_ac")
     layer_ms = _layer_forward_ms(model, batch)
     rows: dict[str, dict[str, Any]] = {}
     for policy in policies:
         say(f"work and peak: {policy}")
-        diff = max_abs_diff(reference, grads(model, batch, policy))
+        diff = max_abs_diff(reference, _single_thread(grads, model, batch, policy))
         work = measure_work(model, batch, policy)
         peak, static = measure_peak(model, batch, policy)
         rows[policy] = {
@@ -93,6 +94,17 @@ def compare(
         "date": time.strftime("%Y-%m-%d"),
         "rows": [asdict(CompareRow(**r)) for r in rows.values()],
     }
+
+
+def _single_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` on one intra-op thread: multi-threaded CPU reductions in MoE backward (index
+    accumulation) sum in a run-dependent order, so even two plain runs differ in the last bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _layer_forward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:

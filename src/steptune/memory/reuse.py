@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -111,9 +111,14 @@ def template_from(tape: Tape, plan: ReplayPlan) -> Template | None:
             if ext.kind == "captured" or ext.written:
                 return None
             externals.append((sid, ext.kind, ext.index, ext.name))
+    # The template must not keep the recording call's inputs alive: copy slots without tensors.
+    slots = [
+        replace(slot, external=replace(slot.external, tensor=None)) if slot.external is not None else slot
+        for slot in tape.slots
+    ]
     stripped = Tape(
         nodes=tape.nodes,
-        slots=tape.slots,
+        slots=slots,
         group_writes=tape.group_writes,
         group_version=tape.group_version,
         packs=tape.packs,

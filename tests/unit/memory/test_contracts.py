@@ -101,3 +101,23 @@ def test_no_grad_forward_runs_untouched():
         model(torch.randn(4, 32))
     assert handle.stats.forwards == 0
     handle.remove()
+
+
+def test_nothing_from_a_step_outlives_it():
+    import gc
+    import weakref
+
+    model = _model()
+    handle = apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
+    for _ in range(2):  # the first step records the template, the second reuses it
+        x = torch.randn(4, 32)
+        h = model.inp(x)
+        inputs = weakref.ref(h)
+        loss = model.out(model.layers[1](model.layers[0](h))).sum()
+        del h
+        loss.backward()
+        del loss
+        gc.collect()
+        assert inputs() is None  # neither the template nor a frame holds a block input
+    assert len(handle.templates) == 1
+    handle.remove()
