@@ -12,7 +12,7 @@ __all__ = ["register"]
 def _compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from steptune.memory.compare import compare, compare_table, write_json
+    from steptune.memory.compare import compare, compare_table, overhead_table, write_json
     from steptune.memory.models import MODEL_PRESETS
 
     if args.model not in MODEL_PRESETS:
@@ -21,6 +21,9 @@ def _compare(args: argparse.Namespace) -> int:
     with console.status("measuring ...") as status:
         result = compare(args.model, repeats=args.repeats, timed=not args.no_time, progress=status.update)
     compare_table(result).print()
+    extra = overhead_table(result)
+    if extra is not None:
+        extra.print()
     if args.json:
         print(f"wrote: {write_json(result, args.json)}")
     return 0

@@ -39,6 +39,8 @@ class CompareRow:
     """Peak minus parameters, buffers, gradients and the batch."""
     step_time_s: float | None
     step_times_s: list[float]
+    tapesac_over_this: float | None
+    """Median over rounds of TapeSAC's step time / this policy's in the same round."""
 
 
 def compare(
@@ -47,6 +49,7 @@ def compare(
     repeats: int = 7,
     timed: bool = True,
     policies: tuple[str, ...] = POLICIES,
+    overhead_repeats: int = 9,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Measure every policy on ``model_name``; returns a JSON-ready dict with ``rows``."""
@@ -73,16 +76,25 @@ def compare(
             "activation_peak_bytes": peak - static,
             "step_time_s": None,
             "step_times_s": [],
+            "tapesac_over_this": None,
         }
     if timed:
-        times = time_policies(
-            model, batch, policies, repeats=repeats, progress=lambda d, t: say(f"timing {d}/{t}")
+        times = _single_thread(
+            time_policies, model, batch, policies, repeats, lambda d, t: say(f"timing {d}/{t}")
         )
+        tape_times = times.get("tapesac_replay")
         for policy, ts in times.items():
             rows[policy]["step_times_s"] = ts
             rows[policy]["step_time_s"] = statistics.median(ts)
+            if tape_times is not None:
+                # Per-round ratio, then the median: neighbours in time share the machine's state.
+                rows[policy]["tapesac_over_this"] = statistics.median(
+                    a / b for a, b in zip(tape_times, ts, strict=True)
+                )
+    overhead = _single_thread(recording_overhead, model_name, overhead_repeats) if timed else None
     preset = MODEL_PRESETS[model_name]
     return {
+        "recording_overhead": overhead,
         "model": model_name,
         "family": preset.family,
         "config": preset.config,
@@ -128,7 +140,6 @@ def _layer_forward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
 
 def compare_table(result: dict[str, Any]) -> Table:
     rows = {r["policy"]: r for r in result["rows"]}
-    tape = rows.get("tapesac_replay")
     table = Table(
         title=(
             f"{result['model']} ({result['family']}, batch {result['batch']} x {result['seq']} tokens, "
@@ -143,12 +154,12 @@ def compare_table(result: dict[str, Any]) -> Table:
             "peak MiB",
             "act. peak MiB",
             "step s (median)",
-            "TapeSAC time / this",
+            "TapeSAC / this (paired median)",
         ],
     )
     for name, r in rows.items():
         t = r["step_time_s"]
-        ratio = tape["step_time_s"] / t if tape is not None and t and tape["step_time_s"] else None
+        ratio = r["tapesac_over_this"]
         table.add(
             name,
             r["grad_max_abs_diff"],
@@ -162,7 +173,7 @@ def compare_table(result: dict[str, Any]) -> Table:
         )
     table.notes.append(
         f"MEASURED on {result['machine']}, {result['date']}; times are medians of {result['repeats']} "
-        "interleaved steps on this CPU, not GPU figures"
+        "interleaved steps on one thread of this CPU (two threads made the rounds bimodal), not GPU figures"
     )
     table.notes.append(
         "recomputation = backward work under the policy minus no_ac's (ops, torch FLOP formulas, bytes of "
@@ -172,7 +183,63 @@ def compare_table(result: dict[str, Any]) -> Table:
     return table
 
 
+def overhead_table(result: dict[str, Any]) -> Table | None:
+    o = result.get("recording_overhead")
+    if not o:
+        return None
+    table = Table(
+        title=f"{result['model']}: what recording costs (forward only, grad mode, one thread)",
+        columns=["forward", "median s", "over plain"],
+    )
+    for name, t in o["forward_s"].items():
+        table.add(name, round(t, 4), round(t / o["forward_s"]["plain"] - 1.0, 3))
+    table.notes.append(
+        f"recorder's own Python time per recorded forward: {o['recorder_python_s'] * 1e3:.1f} ms; "
+        f"median of {o['repeats']} interleaved rounds (MEASURED, this CPU)"
+    )
+    return table
+
+
 def write_json(result: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return path
+
+
+def recording_overhead(model_name: str, repeats: int = 9) -> dict[str, Any]:
+    """Forward time (grad mode, no backward) with no TapeSAC, with TapeSAC recording every call,
+    and with TapeSAC reusing its tape; interleaved rounds, medians."""
+    from steptune.memory.apply import TapeSACConfig, apply_tapesac_
+
+    model = build_model(model_name)
+    batch = make_batch(model_name)
+    variants = {"plain": None, "record_every_call": False, "reuse_tape": True}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    record_s: list[float] = []
+    for r in range(repeats + 1):
+        for name, reuse in variants.items():
+            handle = None if reuse is None else apply_tapesac_(model, TapeSACConfig(reuse_tapes=reuse))
+            start = time.perf_counter()
+            loss = model(**batch).loss
+            elapsed = time.perf_counter() - start
+            if handle is not None and reuse:
+                loss = model(**batch).loss  # the first call recorded; time the reusing one
+                start = time.perf_counter()
+                loss = model(**batch).loss
+                elapsed = time.perf_counter() - start
+            if handle is not None and not reuse:
+                record_s.append(handle.stats.record_s)
+            del loss
+            if handle is not None:
+                handle.remove()
+            if r > 0:
+                times[name].append(elapsed)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "model": model_name,
+        "forward_s": med,
+        "record_overhead": med["record_every_call"] / med["plain"] - 1.0,
+        "reuse_overhead": med["reuse_tape"] / med["plain"] - 1.0,
+        "recorder_python_s": statistics.median(record_s),
+        "repeats": repeats,
+    }

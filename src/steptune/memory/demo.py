@@ -6,15 +6,18 @@ from pathlib import Path
 
 from steptune.core.demo import DemoResult
 from steptune.core.plot import bars
-from steptune.memory.compare import compare, compare_table, write_json
+from steptune.memory.compare import compare, compare_table, overhead_table, write_json
 
 __all__ = ["run_memory_demo"]
 
 
 def run_memory_demo(out_dir: Path, *, model: str = "qwen3-small", repeats: int = 3) -> DemoResult:
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = compare(model, repeats=repeats)
-    table = compare_table(result)
+    result = compare(model, repeats=repeats, overhead_repeats=3)
+    tables = [compare_table(result)]
+    extra = overhead_table(result)
+    if extra is not None:
+        tables.append(extra)
     rows = result["rows"]
     artifacts = [
         write_json(result, out_dir / "compare.json"),
@@ -35,6 +38,6 @@ def run_memory_demo(out_dir: Path, *, model: str = "qwen3-small", repeats: int =
     ]
     return DemoResult(
         title="memory: TapeSAC replay-only vs torch checkpointing (MEASURED on this CPU)",
-        tables=[table],
+        tables=tables,
         artifacts=artifacts,
     )

@@ -190,11 +190,11 @@ def time_policies(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
     policies: tuple[str, ...],
-    *,
     repeats: int = 7,
+    progress: Callable[[int, int], None] | None = None,
+    *,
     warmup: int = 1,
     blocks: Any = None,
-    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, list[float]]:
     """Step times (forward+backward) per policy, interleaved round by round on the same batch."""
     times: dict[str, list[float]] = {p: [] for p in policies}

@@ -105,3 +105,18 @@ def test_removing_restores_the_plain_forward():
     handle = apply_tapesac_(model, TapeSACConfig(blocks="layers.*"))  # by FQN pattern
     assert len(handle.blocks) == 2
     handle.remove()
+
+
+def test_a_save_set_cuts_the_replay_and_keeps_gradients_exact():
+    model = build_model("qwen3-tiny")
+    batch = make_batch("qwen3-tiny")
+    reference = grads(model, batch, "no_ac")
+    replay_only = apply_tapesac_(model, TapeSACConfig())
+    grads(model, batch, "no_ac")
+    replay_only.remove()
+    saving = apply_tapesac_(model, TapeSACConfig(save_ops=frozenset({"aten.mm.default"}), count_flops=True))
+    got = grads(model, batch, "no_ac")
+    saving.remove()
+    assert max_abs_diff(reference, got) == 0.0
+    assert saving.stats.replayed_flops == 0  # every matmul output is held, so no matmul is replayed
+    assert 0 < saving.stats.replayed_ops < replay_only.stats.replayed_ops
