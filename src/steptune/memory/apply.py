@@ -22,9 +22,16 @@ from torch.utils._pytree import tree_flatten
 from steptune.memory.frame import Frame, ReplayStats, pack_hook, unpack_hook
 from steptune.memory.record import Recorder, _external_key
 from steptune.memory.reuse import TemplateCache, run_reused, signature, template_from
-from steptune.memory.tape import ExternalRef, OpNode
+from steptune.memory.tape import ExternalRef, OpNode, Tape
 
-__all__ = ["TapeSAC", "TapeSACConfig", "apply_tapesac_", "find_blocks"]
+__all__ = ["SavePlan", "TapeSAC", "TapeSACConfig", "apply_tapesac_", "find_blocks"]
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """Per block signature, the indices (in autograd's pack order) of the packed values to keep."""
+
+    saves: dict[Any, frozenset[int]]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +48,9 @@ class TapeSACConfig:
     """Record a block once per signature (shapes, dtypes, training flag, autocast) and reuse the
     tape while it provably cannot change (no random op, host sync or data-dependent shape); later
     forwards then run without the dispatch mode. False records every call."""
+    plan: SavePlan | None = None
+    """Which packed values each block signature keeps instead of replaying (from
+    :func:`steptune.memory.plan.plan_saves`); blocks it does not name are replay-only."""
     count_flops: bool = False
     """Price each recorded op with torch's FLOP formulas (for reports; costs a little per op)."""
 
@@ -82,6 +92,10 @@ class TapeSAC:
     blocks: list[tuple[str, nn.Module]]
     stats: ReplayStats = field(default_factory=ReplayStats)
     templates: TemplateCache = field(default_factory=TemplateCache)
+    on_record: Callable[[str, Any, Tape, Recorder], None] | None = None
+    """Called after each recorded forward (the profiler uses it)."""
+    keep_outputs: bool = False
+    """Recorders keep every tensor they see (the profiler; memory-hungry)."""
 
     def remove(self) -> None:
         for _, block in self.blocks:
@@ -136,17 +150,21 @@ def _run_block(
         return forward(*args, **kwargs)
     stats = state.stats
     stats.forwards += 1
-    key = signature(block, args, kwargs) if state.config.reuse_tapes else None
-    if key is not None:
-        template = state.templates.get(key)
+    plan = state.config.plan
+    key = signature(block, args, kwargs)
+    keep = plan.saves.get(key, frozenset()) if plan is not None and key is not None else frozenset()
+    if key is not None and state.config.reuse_tapes:
+        template = state.templates.get((key, keep))
         if template is not None:
             return run_reused(template, Frame(name, stats), block, forward, args, kwargs)
     externals = _external_map(block, args, kwargs)
     recorder = Recorder(externals, save_fn=save_fn, count_flops=state.config.count_flops)
+    recorder.keep_outputs = state.keep_outputs
     frame = Frame(name, stats)
 
     def pack(t: torch.Tensor) -> Any:
-        return pack_hook(frame, recorder.on_pack(t), t)
+        value = recorder.on_pack(t)
+        return pack_hook(frame, value, t, keep=len(recorder.packs) - 1 in keep)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook), recorder.opaque_functions(), recorder:
         out = forward(*args, **kwargs)
@@ -162,9 +180,11 @@ def _run_block(
         None,
         {s.sid: s.external.tensor for s in tape.slots if s.external and s.external.tensor is not None},
     )
-    if key is not None and not state.templates.seen_ineligible(key):
+    if state.on_record is not None:
+        state.on_record(name, key, tape, recorder)
+    if key is not None and state.config.reuse_tapes and not state.templates.seen_ineligible((key, keep)):
         assert frame.plan is not None
-        state.templates.put(key, template_from(tape, frame.plan))
+        state.templates.put((key, keep), template_from(tape, frame.plan, keep))
     return out
 
 

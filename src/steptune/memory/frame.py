@@ -67,7 +67,8 @@ class Frame:
     def close(self, tape: Tape, plan: ReplayPlan | None, externals: Mapping[int, torch.Tensor]) -> None:
         """Called at the end of the block's forward."""
         self.tape = tape
-        self.plan = plan if plan is not None else plan_replay(tape, set(tape.captured))
+        kept = dict(self.saved)  # packed values a save plan keeps (set by the pack hook)
+        self.plan = plan if plan is not None else plan_replay(tape, set(tape.captured) | set(kept))
         if len(self.pending) != len(tape.packed_internal()):
             raise TapeSACError(
                 f"TapeSAC block {self.name!r}: backward will read {len(self.pending)} replayed values "
@@ -75,7 +76,8 @@ class Frame:
             )
         self.externals = {sid: externals[sid] for sid in _external_reads(tape, self.plan)}
         self.versions = {sid: t._version for sid, t in self.externals.items()}
-        self.saved = {key: tape.captured[key] for key in self.plan.reads_saved}
+        self.saved = {key: tape.captured[key] for key in self.plan.reads_saved if key in tape.captured}
+        self.saved.update(kept)
         for key in self.pending:
             if key in tape.captured:
                 self.saved[key] = tape.captured[key]
@@ -131,8 +133,14 @@ def _external_reads(tape: Tape, plan: ReplayPlan) -> set[int]:
     return out
 
 
-def pack_hook(frame: Frame, key: ValueKey | None, t: torch.Tensor) -> Any:
-    return t if key is None else frame.handle(key)
+def pack_hook(frame: Frame, key: ValueKey | None, t: torch.Tensor, keep: bool = False) -> Any:
+    """Autograd's pack: externals are kept as they are; an internal value becomes a handle, and a
+    value the save plan keeps is also held by the frame (once, however often it is packed)."""
+    if key is None:
+        return t
+    if keep:
+        frame.saved[key] = t
+    return frame.handle(key)
 
 
 def unpack_hook(obj: Any) -> torch.Tensor:

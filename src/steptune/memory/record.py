@@ -121,6 +121,9 @@ class Recorder(TorchDispatchMode):
         self.packs: list[ValueKey | None] = []
         self.pack_meta: list[tuple[tuple[int, ...], torch.dtype]] = []
         self.captured: dict[ValueKey, torch.Tensor] = {}
+        self.keep_outputs = False
+        self.kept_outputs: dict[int, torch.Tensor] = {}
+        """With ``keep_outputs``: every slot's tensor (the profiler's; holds the whole block)."""
         self._groups: dict[int, tuple[int, StorageWeakRef]] = {}
         self._keys: dict[tuple[Any, ...], int] = {}
         self._external_groups: set[int] = set()
@@ -233,6 +236,8 @@ class Recorder(TorchDispatchMode):
                 if sid is None:
                     sid = self._new_slot(o, group, producer=index, ext=None)
             node.outs.append((pos, sid))
+            if self.keep_outputs:
+                self.kept_outputs[sid] = o
             node.out_versions.append(self.group_version[self.slots[sid].group])
         node.force_save = reason
         if reason is not None or (self._save_fn is not None and self._save_fn(node)):

@@ -36,6 +36,8 @@ class Template:
     plan: ReplayPlan
     externals: tuple[tuple[int, str, int, str], ...]
     """(slot id, kind, arg index, name) for each external the replay reads."""
+    keep: frozenset[int] = frozenset()
+    """Pack indices whose values are held (the save plan), not replayed."""
 
 
 class TemplateCache:
@@ -96,11 +98,13 @@ def signature(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return (type(block), str(spec), tuple(leaves), params, block.training, autocast)
 
 
-def template_from(tape: Tape, plan: ReplayPlan) -> Template | None:
-    """A reusable template, or None when the tape may differ between calls (see the contract)."""
+def template_from(tape: Tape, plan: ReplayPlan, keep: frozenset[int] = frozenset()) -> Template | None:
+    """A reusable template, or None when the tape may differ between calls (see the contract).
+    ``keep``: pack indices whose values the save plan holds (delivered by the pack hook)."""
     if any(n.random or n.force_save is not None for n in tape.nodes):
         return None
-    if plan.reads_saved or any(key in tape.captured for key in tape.packed_internal()):
+    kept = {tape.packs[i] for i in keep if i < len(tape.packs) and tape.packs[i] is not None}
+    if not plan.reads_saved <= kept or any(key in tape.captured for key in tape.packed_internal()):
         return None
     externals = []
     for n in plan.order:
@@ -125,7 +129,7 @@ def template_from(tape: Tape, plan: ReplayPlan) -> Template | None:
         pack_meta=tape.pack_meta,
         captured={},
     )
-    return Template(stripped, plan, tuple(dict.fromkeys(externals)))
+    return Template(stripped, plan, tuple(dict.fromkeys(externals)), keep)
 
 
 def run_reused(
@@ -151,7 +155,7 @@ def run_reused(
                 f"tape expected {want}; the block's ops depend on more than its input shapes. Set "
                 "TapeSACConfig(reuse_tapes=False) to record every call"
             )
-        return pack_hook(frame, tape.packs[i], t)
+        return pack_hook(frame, tape.packs[i], t, keep=i in template.keep)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook):
         out = forward(*args, **kwargs)

@@ -1,0 +1,296 @@
+"""The memory-aware planner: which packed values each block signature keeps, minimizing measured
+replay time under one limit on the step's peak memory.
+
+Decision model (per block signature, from its :class:`BlockProfile`): binary ``r_n`` (replay node
+n), ``s_p`` (keep packed value p), ``g_G`` (storage group G is held). Every packed value is kept or
+all of its producers (its slot's producer and the in-place writers up to its version) replay; a
+replayed node's inputs are kept or replayed likewise (producer elimination: keeping a value frees
+every producer needed only for it). Force-saved nodes never replay; their outputs are held anyway.
+Objective: sum of measured replay time. Memory: a kept group costs its storage bytes in every block
+of the signature.
+
+Peak model: ``peak = base + sum_sig num_blocks * kept_bytes(sig) + max_sig work(sig)``, where
+``work`` is the replay working set (liveness over the replay order, packed values held to the end)
+and ``base`` is calibrated so that the model equals one measured replay-only step. In the MILP the
+working set is the replay-only one (an upper bound: keeping values only shrinks what replays); the
+reported prediction uses each plan's own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from steptune.memory.apply import SavePlan
+from steptune.memory.profile import BlockProfile
+from steptune.memory.tape import Tape, ValueKey, backward_slice
+
+__all__ = ["BlockPlan", "MemoryPlan", "PeakModel", "frontier", "plan_saves", "replay_cost", "working_set"]
+
+
+@dataclass(frozen=True, slots=True)
+class PeakModel:
+    base: int
+    """Everything but kept values and the replay working set (static memory, block inputs,
+    force-saved values, backward transients), calibrated by one measured replay-only step."""
+
+    def predict(self, profiles: dict[Any, BlockProfile], keeps: dict[Any, frozenset[ValueKey]]) -> int:
+        kept = sum(p.num_blocks * kept_bytes(p, keeps.get(k, frozenset())) for k, p in profiles.items())
+        work = max(working_set(p, keeps.get(k, frozenset())) for k, p in profiles.items())
+        return self.base + kept + work
+
+
+def calibrate(profiles: dict[Any, BlockProfile], measured_replay_only_peak: int) -> PeakModel:
+    work = max(working_set(p, frozenset()) for p in profiles.values())
+    return PeakModel(base=measured_replay_only_peak - work)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPlan:
+    keep: frozenset[ValueKey]
+    replay_nodes: tuple[int, ...]
+    replay_s: float
+    kept_bytes: int
+    work_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    limit: int
+    blocks: dict[Any, BlockPlan]
+    predicted_peak: int
+    predicted_replay_s: float
+    """Per step, over every block."""
+    solver: str
+    solve_s: float
+
+    def save_plan(self, profiles: dict[Any, BlockProfile]) -> SavePlan:
+        saves = {}
+        for key, plan in self.blocks.items():
+            packs = profiles[key].tape.packs
+            saves[key] = frozenset(i for i, p in enumerate(packs) if p is not None and p in plan.keep)
+        return SavePlan(saves)
+
+
+def _available(tape: Tape) -> set[ValueKey]:
+    """Values replay never has to produce: outputs of force-saved nodes at their final version."""
+    out: set[ValueKey] = set()
+    for node in tape.nodes:
+        if node.force_save is not None:
+            for _, sid in node.outs:
+                out.add(tape.final(sid))
+    return out
+
+
+def replay_cost(profile: BlockProfile, keep: frozenset[ValueKey]) -> tuple[list[int], float]:
+    order, _ = backward_slice(
+        profile.tape, profile.tape.packed_internal(), set(keep) | _available(profile.tape)
+    )
+    return order, sum(profile.cost_s[n] for n in order)
+
+
+def kept_bytes(profile: BlockProfile, keep: frozenset[ValueKey]) -> int:
+    groups = {profile.tape.slots[sid].group for sid, _ in keep}
+    return sum(profile.group_bytes[g] for g in groups)
+
+
+def working_set(profile: BlockProfile, keep: frozenset[ValueKey]) -> int:
+    """Peak bytes the replay allocates: storages created by replayed nodes, held until their last
+    read in the slice, packed ones until the end."""
+    tape = profile.tape
+    order, _ = replay_cost(profile, keep)
+    packed_groups = {tape.slots[sid].group for sid, _ in tape.packed_internal()}
+    kept_groups = {tape.slots[sid].group for sid, _ in keep}
+    last: dict[int, int] = {}
+    for pos, n in enumerate(order):
+        for sid, _ in tape.nodes[n].reads:
+            last[tape.slots[sid].group] = pos
+    live: dict[int, int] = {}
+    peak = 0
+    for pos, n in enumerate(order):
+        for _, sid in tape.nodes[n].outs:
+            slot = tape.slots[sid]
+            if slot.producer == n and slot.group not in kept_groups and slot.external is None:
+                live.setdefault(slot.group, profile.group_bytes[slot.group])
+        peak = max(peak, sum(live.values()))
+        for group in list(live):
+            if group not in packed_groups and last.get(group, -1) <= pos:
+                del live[group]
+    return peak
+
+
+def _deps(tape: Tape, key: ValueKey) -> list[int]:
+    sid, version = key
+    slot = tape.slots[sid]
+    if slot.producer < 0:
+        return []
+    nodes = [slot.producer]
+    for after, writer in tape.group_writes.get(slot.group, []):
+        if slot.born < after <= version:
+            nodes.append(writer)
+    return [n for n in nodes if tape.nodes[n].force_save is None]
+
+
+def plan_saves(
+    profiles: dict[Any, BlockProfile],
+    peak: PeakModel,
+    limit: int,
+    *,
+    solver: str = "milp",
+    time_limit_s: float = 10.0,
+) -> MemoryPlan:
+    """The fastest plan whose predicted peak is at most ``limit`` bytes."""
+    start = time.perf_counter()
+    floor = peak.predict(profiles, {})
+    if limit < floor:
+        raise ValueError(
+            f"no plan fits a peak limit of {limit / 2**20:.1f} MiB: replaying everything already peaks at "
+            f"{floor / 2**20:.1f} MiB (static memory, block inputs and the replay working set); raise the "
+            f"limit to at least {floor} bytes"
+        )
+    work0 = max(working_set(p, frozenset()) for p in profiles.values())
+    budget = limit - peak.base - work0
+    if solver == "milp":
+        keeps = _solve_milp(profiles, budget, time_limit_s)
+    elif solver == "greedy":
+        keeps = _solve_greedy(profiles, budget)
+    else:
+        raise ValueError(f"unknown solver {solver!r}; choose 'milp' or 'greedy'")
+    blocks = {}
+    total = 0.0
+    for key, profile in profiles.items():
+        keep = keeps.get(key, frozenset())
+        order, cost = replay_cost(profile, keep)
+        blocks[key] = BlockPlan(
+            keep, tuple(order), cost, kept_bytes(profile, keep), working_set(profile, keep)
+        )
+        total += cost * profile.num_blocks
+    return MemoryPlan(
+        limit=limit,
+        blocks=blocks,
+        predicted_peak=peak.predict(profiles, keeps),
+        predicted_replay_s=total,
+        solver=solver,
+        solve_s=time.perf_counter() - start,
+    )
+
+
+def _candidates(profile: BlockProfile) -> list[ValueKey]:
+    avail = _available(profile.tape)
+    return [k for k in profile.tape.packed_internal() if k not in avail and _deps(profile.tape, k)]
+
+
+def _solve_milp(
+    profiles: dict[Any, BlockProfile], budget: int, time_limit_s: float
+) -> dict[Any, frozenset[ValueKey]]:
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    index: dict[tuple[Any, str, Any], int] = {}
+
+    def var(*name: Any) -> int:
+        return index.setdefault(name, len(index))
+
+    rows: list[tuple[dict[int, float], float, float]] = []
+    cost: dict[int, float] = {}
+    memory: dict[int, float] = {}
+    for key, profile in profiles.items():
+        tape = profile.tape
+        cands = set(_candidates(profile))
+        avail = _available(tape)
+        for n, node in enumerate(tape.nodes):
+            if node.force_save is None:
+                cost[var(key, "r", n)] = profile.cost_s[n] * profile.num_blocks
+        for p in tape.packed_internal():
+            if p in avail:
+                continue
+            for m in _deps(tape, p):  # kept, or every producer replays
+                row = {var(key, "r", m): 1.0}
+                if p in cands:
+                    row[var(key, "s", p)] = 1.0
+                rows.append((row, 1.0, np.inf))
+        for n, node in enumerate(tape.nodes):
+            if node.force_save is not None:
+                continue
+            for k in set(node.reads):
+                if k in avail:
+                    continue
+                for m in _deps(tape, k):  # a replayed node's input is kept or produced
+                    row = {var(key, "r", m): 1.0, var(key, "r", n): -1.0}
+                    if k in cands:
+                        row[var(key, "s", k)] = 1.0
+                    rows.append((row, 0.0, np.inf))
+        for p in cands:
+            g = var(key, "g", tape.slots[p[0]].group)
+            rows.append(({g: 1.0, var(key, "s", p): -1.0}, 0.0, np.inf))
+            memory[g] = float(profile.group_bytes[tape.slots[p[0]].group] * profile.num_blocks)
+    rows.append((memory, -np.inf, float(budget)))
+    num = len(index)
+    c = np.zeros(num)
+    for i, v in cost.items():
+        c[i] = v
+    data, ri, ci, lb, ub = [], [], [], [], []
+    for r, (row, lo, hi) in enumerate(rows):
+        for col, val in row.items():
+            ri.append(r)
+            ci.append(col)
+            data.append(val)
+        lb.append(lo)
+        ub.append(hi)
+    a = coo_matrix((data, (ri, ci)), shape=(len(rows), num)).tocsr()
+    res = milp(
+        c,
+        constraints=LinearConstraint(a, np.array(lb), np.array(ub)),
+        integrality=np.ones(num),
+        bounds=Bounds(0, 1),
+        options={"time_limit": time_limit_s},
+    )
+    if res.x is None:
+        raise ValueError(f"the MILP found no plan ({res.message}); try solver='greedy'")
+    keeps: dict[Any, set[ValueKey]] = {k: set() for k in profiles}
+    for (key, kind, item), i in index.items():
+        if kind == "s" and res.x[i] > 0.5:
+            keeps[key].add(item)
+    return {k: frozenset(v) for k, v in keeps.items()}
+
+
+def _solve_greedy(profiles: dict[Any, BlockProfile], budget: int) -> dict[Any, frozenset[ValueKey]]:
+    """Pick the value with the most replay time eliminated per byte, recomputed after each pick
+    (unlike an independent-items knapsack, a pick changes what the others eliminate)."""
+    keeps: dict[Any, set[ValueKey]] = {k: set() for k in profiles}
+    used = 0
+    while True:
+        best: tuple[float, Any, ValueKey, int] | None = None
+        for key, profile in profiles.items():
+            _, now = replay_cost(profile, frozenset(keeps[key]))
+            before = kept_bytes(profile, frozenset(keeps[key]))
+            for cand in _candidates(profile):
+                if cand in keeps[key]:
+                    continue
+                trial = frozenset(keeps[key] | {cand})
+                extra = (kept_bytes(profile, trial) - before) * profile.num_blocks
+                if used + extra > budget:
+                    continue
+                gain = (now - replay_cost(profile, trial)[1]) * profile.num_blocks
+                if gain <= 0:
+                    continue
+                score = gain / max(extra, 1)
+                if best is None or score > best[0]:
+                    best = (score, key, cand, extra)
+        if best is None:
+            return {k: frozenset(v) for k, v in keeps.items()}
+        _, key, cand, extra = best
+        keeps[key].add(cand)
+        used += extra
+
+
+def frontier(
+    profiles: dict[Any, BlockProfile], peak: PeakModel, limits: Sequence[int], *, solver: str = "milp"
+) -> list[MemoryPlan]:
+    """One plan per limit (limits below the floor are skipped)."""
+    floor = peak.predict(profiles, {})
+    return [plan_saves(profiles, peak, lim, solver=solver) for lim in limits if lim >= floor]
