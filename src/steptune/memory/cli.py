@@ -29,6 +29,104 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_limit(text: str) -> float:
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+    upper = text.strip().upper()
+    for unit, scale in units.items():
+        if upper.endswith(unit):
+            return float(upper[: -len(unit)]) * scale
+    return float(upper)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from steptune.core.report import Table
+    from steptune.memory.compare import _single_thread
+    from steptune.memory.measure import measure_peak
+    from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
+    from steptune.memory.plan import calibrate, plan_saves
+    from steptune.memory.profile import profile_model
+
+    if args.model not in MODEL_PRESETS:
+        raise ValueError(f"unknown --model {args.model!r}; choose one of {sorted(MODEL_PRESETS)}")
+    value = _parse_limit(args.limit)
+    if value <= 0:
+        raise ValueError(
+            f"--limit must be positive (bytes, e.g. 300MiB, or a fraction in (0, 1]); got {args.limit}"
+        )
+    model = build_model(args.model)
+    batch = make_batch(args.model, batch=args.batch, seq=args.seq)
+    profiles = _single_thread(profile_model, model, batch)
+    floor, _ = measure_peak(model, batch, "tapesac_replay")
+    peak_model = calibrate(profiles, floor)
+    if value <= 1.0:
+        top, _ = measure_peak(model, batch, "no_ac")
+        limit = int(floor + value * (top - floor))
+        how = (
+            f"fraction {value} of the way from replay-only ({floor / 2**20:.1f} MiB) "
+            f"to no checkpointing ({top / 2**20:.1f} MiB)"
+        )
+    else:
+        limit, how = int(value), "bytes"
+    plan = plan_saves(profiles, peak_model, limit, solver=args.solver)
+    table = Table(
+        title=f"TapeSAC plan for {args.model} under {limit / 2**20:.1f} MiB ({how})",
+        columns=[
+            "block signature (first block)",
+            "blocks",
+            "kept values",
+            "kept MiB/block",
+            "replayed ops",
+            "replay ms/block",
+        ],
+    )
+    for key, block_plan in plan.blocks.items():
+        p = profiles[key]
+        producers = sorted(
+            {
+                p.tape.nodes[p.tape.slots[sid].producer].name.removeprefix("aten.")
+                for sid, _ in block_plan.keep
+            }
+        )
+        table.add(
+            p.name,
+            p.num_blocks,
+            f"{len(block_plan.keep)}: " + ", ".join(producers) if producers else "0 (replay only)",
+            round(block_plan.kept_bytes / 2**20, 2),
+            len(block_plan.replay_nodes),
+            round(block_plan.replay_s * 1e3, 2),
+        )
+    table.notes.append(
+        f"predicted step peak {plan.predicted_peak / 2**20:.1f} MiB, "
+        f"predicted replay {plan.predicted_replay_s * 1e3:.1f} ms/step; "
+        f"solver {plan.solver} in {plan.solve_s:.2f} s; costs measured on this machine"
+    )
+    table.print()
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from steptune.memory.bench import bench_table, dominance, pareto_plot, run_bench
+    from steptune.memory.models import MODEL_PRESETS
+
+    if args.model not in MODEL_PRESETS:
+        raise ValueError(f"unknown --model {args.model!r}; choose one of {sorted(MODEL_PRESETS)}")
+    with Console(stderr=True).status("bench ...") as status:
+        result = run_bench(args.model, repeats=args.repeats, progress=status.update)
+    result["dominance"] = dominance(result)
+    bench_table(result).print()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"wrote: {args.json}")
+    if getattr(args, "out", None):
+        print(f"wrote: {pareto_plot(result, args.out)}")
+    return 0
+
+
 def register(sub: Any) -> None:
     from steptune.memory.models import MODEL_PRESETS
 
@@ -38,7 +136,7 @@ def register(sub: Any) -> None:
         description=(
             "TapeSAC records each block's forward at the dispatcher and, in backward, replays only the "
             "producers of the values autograd reads. The memory-aware planner (plan, pareto, bench) is "
-            "issue #4 and not built yet."
+            "issue #4: plan, bench and pareto are built; PyTorch's auto-SAC anchor is not yet."
         ),
     )
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
@@ -58,3 +156,33 @@ def register(sub: Any) -> None:
     c.add_argument("--no-time", action="store_true", help="skip timing (work, peaks and gradients only)")
     c.add_argument("--json", type=Path, help="write the measurements to this JSON file")
     c.set_defaults(func=_compare)
+
+    pl = verbs.add_parser(
+        "plan",
+        help="profile a model and print the fastest save plan under a step-peak limit",
+        description=(
+            "Profiles every block signature (measured per-op replay time), calibrates the step-peak model on "
+            "one measured replay-only step, and solves the MILP (scipy HiGHS) for the limit. --limit takes "
+            "bytes (300MiB, 2GiB, 123456789) or a fraction in (0, 1] of the way from the replay-only peak to "
+            "the no-checkpointing peak."
+        ),
+    )
+    pl.add_argument("--model", default="qwen3-small", help=f"one of {', '.join(MODEL_PRESETS)}")
+    pl.add_argument(
+        "--limit", required=True, help="step-peak limit: bytes (e.g. 300MiB) or a fraction in (0, 1]"
+    )
+    pl.add_argument("--batch", type=int, help="batch size (default: the preset's)")
+    pl.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    pl.add_argument("--solver", default="milp", choices=["milp", "greedy"])
+    pl.set_defaults(func=_plan)
+    for verb, text in (
+        ("bench", "every anchor and TapeSAC's planned points, measured in one run (JSON)"),
+        ("pareto", "the same run, written as a memory-vs-time plot (PNG) with every anchor's point"),
+    ):
+        b = verbs.add_parser(verb, help=text, description=text)
+        b.add_argument("--model", default="qwen3-small", help=f"one of {', '.join(MODEL_PRESETS)}")
+        b.add_argument("--repeats", type=int, default=7, help="timed rounds per row, interleaved (default 7)")
+        b.add_argument("--json", type=Path, help="write the rows to this JSON file")
+        if verb == "pareto":
+            b.add_argument("--out", type=Path, default=Path("runs/memory_pareto.png"), help="PNG path")
+        b.set_defaults(func=_bench)

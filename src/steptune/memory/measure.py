@@ -20,7 +20,7 @@ import statistics
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from steptune.memory.apply import TapeSACConfig, apply_tapesac_, find_blocks
+from steptune.memory.anchors import ANCHORS, apply_anchor_, remove_anchor_
+from steptune.memory.apply import SavePlan, TapeSACConfig, apply_tapesac_, find_blocks
 from steptune.memory.reuse import TemplateCache
 
 __all__ = [
@@ -79,22 +80,35 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def apply_policy(model: nn.Module, policy: str, blocks: Any = None) -> Iterator[Any]:
-    """Apply one of :data:`POLICIES` to ``model``'s blocks for the duration of the context."""
+def apply_policy(
+    model: nn.Module, policy: str, blocks: Any = None, plan: SavePlan | None = None
+) -> Iterator[Any]:
+    """Apply one of :data:`POLICIES`, an anchor of :mod:`steptune.memory.anchors`, or
+    ``tapesac_plan@...`` (with ``plan``) to ``model``'s blocks for the duration of the context."""
     if policy == "no_ac":
         yield None
         return
-    if policy == "tapesac_replay":
+    if policy == "tapesac_replay" or policy.startswith("tapesac_plan"):
+        if policy.startswith("tapesac_plan") and plan is None:
+            raise ValueError(f"policy {policy!r} needs a plan (steptune.memory.plan.plan_saves)")
         # Tapes persist across applications on the same model, as they do across steps in training.
         templates = _TEMPLATES.setdefault(model, TemplateCache())
-        handle = apply_tapesac_(model, TapeSACConfig(blocks=blocks), templates=templates)
+        config = TapeSACConfig(blocks=blocks, plan=plan if policy != "tapesac_replay" else None)
+        handle = apply_tapesac_(model, config, templates=templates)
         try:
             yield handle
         finally:
             handle.remove()
         return
+    if policy in ANCHORS:
+        wrapped_blocks = apply_anchor_(policy, find_blocks(model, blocks))
+        try:
+            yield None
+        finally:
+            remove_anchor_(wrapped_blocks)
+        return
     if policy not in ("full_ac", "full_ac_no_early_stop"):
-        raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
+        raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES + ANCHORS}")
     early_stop = policy == "full_ac"
     wrapped = find_blocks(model, blocks)
     for _, block in wrapped:
@@ -120,10 +134,14 @@ def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def grads(
-    model: nn.Module, batch: dict[str, torch.Tensor], policy: str, blocks: Any = None
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    policy: str,
+    blocks: Any = None,
+    plans: Mapping[str, SavePlan] | None = None,
 ) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    with apply_policy(model, policy, blocks):
+    with apply_policy(model, policy, blocks, (plans or {}).get(policy)):
         _loss(model, batch).backward()
     out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -144,10 +162,16 @@ class Work:
     ops: dict[str, int]
 
 
-def measure_work(model: nn.Module, batch: dict[str, torch.Tensor], policy: str, blocks: Any = None) -> Work:
+def measure_work(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    policy: str,
+    blocks: Any = None,
+    plans: Mapping[str, SavePlan] | None = None,
+) -> Work:
     """Ops and FLOPs dispatched during backward under ``policy`` (recomputation included)."""
     model.zero_grad(set_to_none=True)
-    with apply_policy(model, policy, blocks):
+    with apply_policy(model, policy, blocks, (plans or {}).get(policy)):
         loss = _loss(model, batch)
         counter = OpCounter()
         with counter:
@@ -157,7 +181,11 @@ def measure_work(model: nn.Module, batch: dict[str, torch.Tensor], policy: str, 
 
 
 def measure_peak(
-    model: nn.Module, batch: dict[str, torch.Tensor], policy: str, blocks: Any = None
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    policy: str,
+    blocks: Any = None,
+    plans: Mapping[str, SavePlan] | None = None,
 ) -> tuple[int, int]:
     """``(peak, static)`` bytes of one forward+backward by torch's ``MemTracker`` (all live
     storages). Gradients are allocated before the step, as a training loop's are after its first
@@ -170,7 +198,7 @@ def measure_peak(
     storages = {
         t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in _static_tensors(model, batch)
     }
-    with apply_policy(model, policy, blocks):
+    with apply_policy(model, policy, blocks, (plans or {}).get(policy)):
         tracker = MemTracker()
         tracker.track_external(model, *batch.values())
         with tracker:
@@ -195,6 +223,7 @@ def time_policies(
     *,
     warmup: int = 1,
     blocks: Any = None,
+    plans: Mapping[str, SavePlan] | None = None,
 ) -> dict[str, list[float]]:
     """Step times (forward+backward) per policy, interleaved round by round on the same batch."""
     times: dict[str, list[float]] = {p: [] for p in policies}
@@ -202,7 +231,7 @@ def time_policies(
     done = 0
     for r in range(repeats + warmup):
         for policy in policies:
-            with apply_policy(model, policy, blocks):
+            with apply_policy(model, policy, blocks, (plans or {}).get(policy)):
                 model.zero_grad(set_to_none=True)
                 start = time.perf_counter()
                 _loss(model, batch).backward()
