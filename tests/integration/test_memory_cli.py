@@ -22,3 +22,38 @@ def test_compare_writes_every_policy(tmp_path, capsys):
 def test_compare_rejects_an_unknown_model(capsys):
     assert main(["memory", "compare", "--model", "gpt-9", "--no-time"]) == 2
     assert "choose one of" in capsys.readouterr().err
+
+
+def test_plan_prints_a_plan_and_rejects_an_infeasible_limit(capsys):
+    assert main(["memory", "plan", "--model", "qwen3-tiny", "--limit", "0.5"]) == 0
+    assert "TapeSAC plan for qwen3-tiny" in capsys.readouterr().out
+    assert main(["memory", "plan", "--model", "qwen3-tiny", "--limit", "1MiB"]) == 2
+    assert "raise the limit to at least" in capsys.readouterr().err
+
+
+def test_bench_rows_follow_the_documented_schema(tmp_path):
+    out, png = tmp_path / "b.json", tmp_path / "p.png"
+    argv = [
+        "memory",
+        "pareto",
+        "--model",
+        "qwen3-tiny",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+        "--out",
+        str(png),
+    ]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    names = [r["policy"] for r in result["rows"]]
+    for fixed in ("no_ac", "full_ac", "full_ac_no_early_stop", "torchtitan_sac", "hf_every_2"):
+        assert fixed in names
+    assert "megatron_core_attn" in names and "tapesac_replay" in names
+    assert any(n.startswith("tapesac_plan@") for n in names)
+    for row in result["rows"]:
+        assert {"policy", "peak_bytes", "step_time_s", "replayed_flops", "grad_max_abs_diff"} <= set(row)
+        assert row["grad_max_abs_diff"] == 0.0
+    assert set(result["dominance"]) == set(names) - {"no_ac"} - {n for n in names if n.startswith("tapesac")}
+    assert png.stat().st_size > 10_000

@@ -29,7 +29,8 @@ __all__ = ["SavePlan", "TapeSAC", "TapeSACConfig", "apply_tapesac_", "find_block
 
 @dataclass(frozen=True, slots=True)
 class SavePlan:
-    """Per block signature, the indices (in autograd's pack order) of the packed values to keep."""
+    """Per block signature, the indices (in autograd's pack order) of the packed values to keep;
+    a block's FQN as key overrides its signature's entry for that block."""
 
     saves: dict[Any, frozenset[int]]
 
@@ -152,7 +153,7 @@ def _run_block(
     stats.forwards += 1
     plan = state.config.plan
     key = signature(block, args, kwargs)
-    keep = plan.saves.get(key, frozenset()) if plan is not None and key is not None else frozenset()
+    keep = (plan.saves.get(name) or plan.saves.get(key, frozenset())) if plan is not None else frozenset()
     if key is not None and state.config.reuse_tapes:
         template = state.templates.get((key, keep))
         if template is not None:

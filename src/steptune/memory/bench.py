@@ -24,7 +24,7 @@ from steptune.memory.anchors import ANCHORS
 from steptune.memory.compare import _single_thread
 from steptune.memory.measure import grads, max_abs_diff, measure_peak, measure_work, time_policies
 from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
-from steptune.memory.plan import calibrate, plan_saves
+from steptune.memory.plan import calibrate, last_free_plan, plan_saves
 from steptune.memory.profile import profile_model
 
 __all__ = ["FIXED", "bench_table", "dominance", "pareto_plot", "run_bench"]
@@ -65,7 +65,10 @@ def run_bench(
 
     for policy in FIXED:
         rows[policy] = measure(policy)
-    peak_model = calibrate(profiles, rows["tapesac_replay"]["peak_bytes"])
+    last_free, _ = measure_peak(
+        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}
+    )
+    peak_model = calibrate(profiles, rows["tapesac_replay"]["peak_bytes"], last_free)
     floor, top = rows["tapesac_replay"]["peak_bytes"], rows["no_ac"]["peak_bytes"]
     limits = {int(floor + f * (top - floor)) for f in fractions}
     limits.add(int((rows["full_ac"]["peak_bytes"] + top) / 2))  # the "halfway" limit

@@ -43,7 +43,7 @@ def _plan(args: argparse.Namespace) -> int:
     from steptune.memory.compare import _single_thread
     from steptune.memory.measure import measure_peak
     from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
-    from steptune.memory.plan import calibrate, plan_saves
+    from steptune.memory.plan import calibrate, last_free_plan, plan_saves
     from steptune.memory.profile import profile_model
 
     if args.model not in MODEL_PRESETS:
@@ -57,7 +57,10 @@ def _plan(args: argparse.Namespace) -> int:
     batch = make_batch(args.model, batch=args.batch, seq=args.seq)
     profiles = _single_thread(profile_model, model, batch)
     floor, _ = measure_peak(model, batch, "tapesac_replay")
-    peak_model = calibrate(profiles, floor)
+    last_free, _ = measure_peak(
+        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}
+    )
+    peak_model = calibrate(profiles, floor, last_free)
     if value <= 1.0:
         top, _ = measure_peak(model, batch, "no_ac")
         limit = int(floor + value * (top - floor))

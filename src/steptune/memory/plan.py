@@ -14,6 +14,13 @@ Peak model: ``peak = base + sum_sig num_blocks * kept_bytes(sig) + max_sig work(
 and ``base`` is calibrated so that the model equals one measured replay-only step. In the MILP the
 working set is the replay-only one (an upper bound: keeping values only shrinks what replays); the
 reported prediction uses each plan's own.
+
+The model's last block is planned apart: backward reaches it first, while every other block's
+kept values are alive in any case, and it has finished (its values freed) before any other block
+replays. Keeping all of its packed values therefore costs ``max(its activations, working set)``
+instead of adding to the sum, which is free whenever its activations fit in the working set.
+Then it never replays (the reason HF's ``every_n_layers=2`` costs no more peak than full
+checkpointing on a two-layer model, found by the bench).
 """
 
 from __future__ import annotations
@@ -37,16 +44,52 @@ class PeakModel:
     base: int
     """Everything but kept values and the replay working set (static memory, block inputs,
     force-saved values, backward transients), calibrated by one measured replay-only step."""
+    base_last_free: int | None = None
+    """The same, calibrated by a measured replay-only step whose last block keeps everything
+    (the peak may then move to the end of forward); None when not measured."""
 
-    def predict(self, profiles: dict[Any, BlockProfile], keeps: dict[Any, frozenset[ValueKey]]) -> int:
-        kept = sum(p.num_blocks * kept_bytes(p, keeps.get(k, frozenset())) for k, p in profiles.items())
+    def predict(
+        self,
+        profiles: dict[Any, BlockProfile],
+        keeps: dict[Any, frozenset[ValueKey]],
+        last_free: bool = False,
+    ) -> int:
+        """With ``last_free`` the model's last block keeps every packed value and never replays."""
+        kept = sum(
+            (p.num_blocks - (last_free and p.has_last)) * kept_bytes(p, keeps.get(k, frozenset()))
+            for k, p in profiles.items()
+        )
         work = max(working_set(p, keeps.get(k, frozenset())) for k, p in profiles.items())
-        return self.base + kept + work
+        if not last_free:
+            return self.base + kept + work
+        if self.base_last_free is None:
+            raise ValueError(
+                "this peak model was not calibrated with the last block kept; pass last_free_peak"
+            )
+        return self.base_last_free + kept + max(work, _last_packed(profiles))
 
 
-def calibrate(profiles: dict[Any, BlockProfile], measured_replay_only_peak: int) -> PeakModel:
+def _last_packed(profiles: dict[Any, BlockProfile]) -> int:
+    return max((all_packed_bytes(p) for p in profiles.values() if p.has_last), default=0)
+
+
+def last_free_plan(profiles: dict[Any, BlockProfile]) -> SavePlan:
+    """Replay-only, except the model's last block, which keeps every packed value."""
+    for p in profiles.values():
+        if p.has_last and p.names:
+            return SavePlan({p.names[-1]: frozenset(i for i, k in enumerate(p.tape.packs) if k is not None)})
+    return SavePlan({})
+
+
+def calibrate(
+    profiles: dict[Any, BlockProfile], measured_replay_only_peak: int, last_free_peak: int | None = None
+) -> PeakModel:
+    """``last_free_peak``: the measured peak under :func:`last_free_plan` (optional)."""
     work = max(working_set(p, frozenset()) for p in profiles.values())
-    return PeakModel(base=measured_replay_only_peak - work)
+    base_last = None
+    if last_free_peak is not None:
+        base_last = last_free_peak - max(work, _last_packed(profiles))
+    return PeakModel(base=measured_replay_only_peak - work, base_last_free=base_last)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +105,8 @@ class BlockPlan:
 class MemoryPlan:
     limit: int
     blocks: dict[Any, BlockPlan]
+    last_block: str | None
+    """FQN of the model's last block when it keeps every packed value (no replay), else None."""
     predicted_peak: int
     predicted_replay_s: float
     """Per step, over every block."""
@@ -73,6 +118,8 @@ class MemoryPlan:
         for key, plan in self.blocks.items():
             packs = profiles[key].tape.packs
             saves[key] = frozenset(i for i, p in enumerate(packs) if p is not None and p in plan.keep)
+            if self.last_block is not None and self.last_block in profiles[key].names:
+                saves[self.last_block] = frozenset(i for i, p in enumerate(packs) if p is not None)
         return SavePlan(saves)
 
 
@@ -96,6 +143,10 @@ def replay_cost(profile: BlockProfile, keep: frozenset[ValueKey]) -> tuple[list[
 def kept_bytes(profile: BlockProfile, keep: frozenset[ValueKey]) -> int:
     groups = {profile.tape.slots[sid].group for sid, _ in keep}
     return sum(profile.group_bytes[g] for g in groups)
+
+
+def all_packed_bytes(profile: BlockProfile) -> int:
+    return kept_bytes(profile, frozenset(profile.tape.packed_internal()))
 
 
 def working_set(profile: BlockProfile, keep: frozenset[ValueKey]) -> int:
@@ -142,22 +193,52 @@ def plan_saves(
     *,
     solver: str = "milp",
     time_limit_s: float = 10.0,
+    last_block_free: bool = True,
 ) -> MemoryPlan:
     """The fastest plan whose predicted peak is at most ``limit`` bytes."""
     start = time.perf_counter()
     floor = peak.predict(profiles, {})
+    can_free = (
+        last_block_free and peak.base_last_free is not None and any(p.has_last for p in profiles.values())
+    )
+    free_floor = peak.predict(profiles, {}, last_free=True) if can_free else None
+    if free_floor is not None and free_floor <= limit:
+        # Both ways fit: keep the last block whole if that replays less.
+        with_last = _plan(profiles, peak, limit, solver, time_limit_s, True, start)
+        without = _plan(profiles, peak, limit, solver, time_limit_s, False, start) if floor <= limit else None
+        if without is None or with_last.predicted_replay_s <= without.predicted_replay_s:
+            return with_last
+        return without
     if limit < floor:
+        smallest = min(floor, free_floor) if free_floor is not None else floor
         raise ValueError(
             f"no plan fits a peak limit of {limit / 2**20:.1f} MiB: replaying everything already peaks at "
             f"{floor / 2**20:.1f} MiB (static memory, block inputs and the replay working set); raise the "
-            f"limit to at least {floor} bytes"
+            f"limit to at least {smallest} bytes"
         )
+    return _plan(profiles, peak, limit, solver, time_limit_s, False, start)
+
+
+def _plan(
+    profiles: dict[Any, BlockProfile],
+    peak: PeakModel,
+    limit: int,
+    solver: str,
+    time_limit_s: float,
+    last_free: bool,
+    start: float,
+) -> MemoryPlan:
     work0 = max(working_set(p, frozenset()) for p in profiles.values())
-    budget = limit - peak.base - work0
+    if last_free:
+        assert peak.base_last_free is not None
+        budget = limit - peak.base_last_free - max(work0, _last_packed(profiles))
+    else:
+        budget = limit - peak.base - work0
+    counts = {k: p.num_blocks - (last_free and p.has_last) for k, p in profiles.items()}
     if solver == "milp":
-        keeps = _solve_milp(profiles, budget, time_limit_s)
+        keeps = _solve_milp(profiles, counts, budget, time_limit_s)
     elif solver == "greedy":
-        keeps = _solve_greedy(profiles, budget)
+        keeps = _solve_greedy(profiles, counts, budget)
     else:
         raise ValueError(f"unknown solver {solver!r}; choose 'milp' or 'greedy'")
     blocks = {}
@@ -168,11 +249,15 @@ def plan_saves(
         blocks[key] = BlockPlan(
             keep, tuple(order), cost, kept_bytes(profile, keep), working_set(profile, keep)
         )
-        total += cost * profile.num_blocks
+        total += cost * counts[key]
+    last = (
+        next((p.names[-1] for p in profiles.values() if p.has_last and p.names), None) if last_free else None
+    )
     return MemoryPlan(
         limit=limit,
         blocks=blocks,
-        predicted_peak=peak.predict(profiles, keeps),
+        last_block=last,
+        predicted_peak=peak.predict(profiles, keeps, last_free=last_free),
         predicted_replay_s=total,
         solver=solver,
         solve_s=time.perf_counter() - start,
@@ -185,7 +270,7 @@ def _candidates(profile: BlockProfile) -> list[ValueKey]:
 
 
 def _solve_milp(
-    profiles: dict[Any, BlockProfile], budget: int, time_limit_s: float
+    profiles: dict[Any, BlockProfile], counts: dict[Any, int], budget: int, time_limit_s: float
 ) -> dict[Any, frozenset[ValueKey]]:
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
@@ -204,7 +289,7 @@ def _solve_milp(
         avail = _available(tape)
         for n, node in enumerate(tape.nodes):
             if node.force_save is None:
-                cost[var(key, "r", n)] = profile.cost_s[n] * profile.num_blocks
+                cost[var(key, "r", n)] = profile.cost_s[n] * counts[key]
         for p in tape.packed_internal():
             if p in avail:
                 continue
@@ -227,7 +312,7 @@ def _solve_milp(
         for p in cands:
             g = var(key, "g", tape.slots[p[0]].group)
             rows.append(({g: 1.0, var(key, "s", p): -1.0}, 0.0, np.inf))
-            memory[g] = float(profile.group_bytes[tape.slots[p[0]].group] * profile.num_blocks)
+            memory[g] = float(profile.group_bytes[tape.slots[p[0]].group] * counts[key])
     rows.append((memory, -np.inf, float(budget)))
     num = len(index)
     c = np.zeros(num)
@@ -258,7 +343,9 @@ def _solve_milp(
     return {k: frozenset(v) for k, v in keeps.items()}
 
 
-def _solve_greedy(profiles: dict[Any, BlockProfile], budget: int) -> dict[Any, frozenset[ValueKey]]:
+def _solve_greedy(
+    profiles: dict[Any, BlockProfile], counts: dict[Any, int], budget: int
+) -> dict[Any, frozenset[ValueKey]]:
     """Pick the value with the most replay time eliminated per byte, recomputed after each pick
     (unlike an independent-items knapsack, a pick changes what the others eliminate)."""
     keeps: dict[Any, set[ValueKey]] = {k: set() for k in profiles}
@@ -272,10 +359,10 @@ def _solve_greedy(profiles: dict[Any, BlockProfile], budget: int) -> dict[Any, f
                 if cand in keeps[key]:
                     continue
                 trial = frozenset(keeps[key] | {cand})
-                extra = (kept_bytes(profile, trial) - before) * profile.num_blocks
+                extra = (kept_bytes(profile, trial) - before) * counts[key]
                 if used + extra > budget:
                     continue
-                gain = (now - replay_cost(profile, trial)[1]) * profile.num_blocks
+                gain = (now - replay_cost(profile, trial)[1]) * counts[key]
                 if gain <= 0:
                     continue
                 score = gain / max(extra, 1)

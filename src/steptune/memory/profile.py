@@ -43,6 +43,10 @@ class BlockProfile:
     """Storage bytes per storage group."""
     input_bytes: int
     """Bytes of the block's tensor arguments a checkpointed block keeps (its input)."""
+    names: tuple[str, ...] = ()
+    """Every block with this signature, in forward order."""
+    has_last: bool = False
+    """The model's last block (the first one backward reaches) has this signature."""
 
     def pack_bytes(self, key: ValueKey) -> int:
         return self.group_bytes[self.tape.slots[key[0]].group]
@@ -59,9 +63,11 @@ def profile_model(
     """Profile every block signature of ``model`` on ``batch`` (one forward+backward)."""
     seen: dict[Any, tuple[str, Tape, dict[int, torch.Tensor]]] = {}
     counts: dict[Any, int] = {}
+    order: list[tuple[str, Any]] = []
 
     def on_record(name: str, key: Any, tape: Tape, recorder: Recorder) -> None:
         counts[key] = counts.get(key, 0) + 1
+        order.append((name, key))
         if key not in seen:
             seen[key] = (name, tape, dict(recorder.kept_outputs))
         recorder.kept_outputs.clear()
@@ -85,7 +91,18 @@ def profile_model(
         for slot in tape.slots:
             group_bytes.setdefault(slot.group, slot.nbytes)
         inputs = sum(s.nbytes for s in tape.slots if s.external is not None and s.external.kind == "arg")
-        profiles[key] = BlockProfile(key, name, counts[key], _strip(tape), tuple(cost), group_bytes, inputs)
+        names = tuple(n for n, k in order if k == key)
+        profiles[key] = BlockProfile(
+            key,
+            name,
+            counts[key],
+            _strip(tape),
+            tuple(cost),
+            group_bytes,
+            inputs,
+            names,
+            order[-1][0] in names,
+        )
     return profiles
 
 
