@@ -2,13 +2,18 @@
 checkpointing (early stop on, and off as torchtitan sets it) and no checkpointing, on a stack of a
 few Qwen3-8B-like and Qwen3-30B-A3B-like decoder layers (HF transformers, random weights, bf16).
 
+Rows: no checkpointing, torch full checkpointing (early stop on and off), torchtitan's op-level
+SAC, HF every_n_layers=2, Megatron core-attention recompute, replay-only TapeSAC, and TapeSAC
+planned (profiled and solved on this GPU) at the limit halfway between full checkpointing's and no
+checkpointing's peaks and at each anchor's measured peak.
+
 Per model and policy: median step time (forward+backward, CUDA events, interleaved rounds), peak
 allocated bytes of a step (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``,
 and the same minus what was allocated before the step), max |grad - no_ac grad|, and TapeSAC's
 replayed ops and recorded forwards. The vocabulary is cut to 32K so the LM head does not dominate
 memory; layers and widths are the models' own.
 
-Under 4 minutes on one H200. ``--dry-run`` runs the same code on CPU with tiny configs (the tests
+Under 6 minutes on one H200. ``--dry-run`` runs the same code on CPU with tiny configs (the tests
 do this). Writes one JSON object to ``--json``.
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=src python benchmarks/gpu/memory.py --json $OUT/memory.json
@@ -26,7 +31,10 @@ from typing import Any
 
 import torch
 
+from steptune.memory.anchors import ANCHORS
 from steptune.memory.measure import POLICIES, apply_policy, max_abs_diff
+
+FIXED = (*POLICIES, *ANCHORS)
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-8b-like": (
@@ -77,58 +85,102 @@ def step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
     model(**batch).loss.backward()
 
 
-def grads_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], policy: str) -> dict[str, torch.Tensor]:
+def grads_of(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], policy: str, plans: dict[str, Any]
+) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    with apply_policy(model, policy):
+    with apply_policy(model, policy, None, plans.get(policy)):
         step(model, batch)
     out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return out
 
 
+def peak_of(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], policy: str, plans: dict[str, Any], cuda: bool
+) -> dict[str, Any]:
+    """Peak allocated bytes of one step, gradients allocated beforehand (CUDA allocator on GPU,
+    torch's MemTracker on CPU)."""
+    from steptune.memory.measure import measure_peak
+
+    if not cuda:
+        peak, static = measure_peak(model, batch, policy, plans=plans)
+        return {"peak_bytes": peak, "step_peak_above_start_bytes": peak - static}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    row: dict[str, Any] = {}
+    with apply_policy(model, policy, None, plans.get(policy)) as handle:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step(model, batch)
+        torch.cuda.synchronize()
+        row["peak_bytes"] = torch.cuda.max_memory_allocated()
+        row["step_peak_above_start_bytes"] = row["peak_bytes"] - before
+        if handle is not None:
+            row["replayed_ops_per_step"] = handle.stats.replayed_ops
+            row["recorded_forwards"] = handle.stats.recorded
+    model.zero_grad(set_to_none=True)
+    return row
+
+
 def measure_model(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from steptune.memory.plan import calibrate, last_free_plan, plan_saves
+    from steptune.memory.profile import profile_model
+
     model = build(name, args.layers, args.vocab, device, args.dry_run)
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
     batch = {"input_ids": ids, "labels": ids}
     cuda = device.type == "cuda"
     out: dict[str, Any] = {"policies": {}}
+    plans: dict[str, Any] = {}
+    rows = out["policies"]
+    for policy in FIXED:
+        rows[policy] = peak_of(model, batch, policy, plans, cuda)
+        print(f"  {name} {policy}: peak {rows[policy]['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+    t0 = time.perf_counter()
+    profiles = profile_model(model, batch)
+    plans["tapesac_plan"] = last_free_plan(profiles)
+    last_free = peak_of(model, batch, "tapesac_plan", plans, cuda)["peak_bytes"]
+    peak_model = calibrate(profiles, rows["tapesac_replay"]["peak_bytes"], last_free)
+    out["profile_s"] = time.perf_counter() - t0
+    floor, top = rows["tapesac_replay"]["peak_bytes"], rows["no_ac"]["peak_bytes"]
+    limits = {int((rows["full_ac"]["peak_bytes"] + top) / 2)}  # halfway between full_ac and no_ac
+    limits |= {rows[a]["peak_bytes"] for a in FIXED if a not in ("no_ac", "tapesac_replay")}
+    out["halfway_limit_bytes"] = int((rows["full_ac"]["peak_bytes"] + top) / 2)
+    for limit in sorted(x for x in limits if x >= floor):
+        label = f"tapesac_plan@{limit / 2**20:.1f}MiB"
+        if label in rows:  # two limits within 0.1 MiB: the smaller one stands for both
+            continue
+        plan = plan_saves(profiles, peak_model, limit)
+        plans[label] = plan.save_plan(profiles)
+        rows[label] = peak_of(model, batch, label, plans, cuda)
+        rows[label].update(
+            limit_bytes=limit,
+            predicted_peak_bytes=plan.predicted_peak,
+            solve_s=plan.solve_s,
+            last_block=plan.last_block,
+        )
+        print(
+            f"  {name} {label}: peak {rows[label]['peak_bytes'] / 2**30:.2f} GiB "
+            f"(predicted {plan.predicted_peak / 2**30:.2f})",
+            flush=True,
+        )
+    names = list(rows)
     # Gradients under deterministic algorithms where torch has them (warn-only elsewhere); the
     # no_ac row compares two plain runs, so it is the floor any policy can reach.
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        reference = grads_of(model, batch, "no_ac")
-        diffs = {p: max_abs_diff(reference, grads_of(model, batch, p)) for p in POLICIES}
+        reference = grads_of(model, batch, "no_ac", plans)
+        for policy in names:
+            rows[policy]["grad_max_abs_diff"] = max_abs_diff(reference, grads_of(model, batch, policy, plans))
     finally:
         torch.use_deterministic_algorithms(False)
-    for policy in POLICIES:
-        row: dict[str, Any] = {"grad_max_abs_diff": diffs[policy]}
-        for p in model.parameters():  # gradients allocated, as after a training loop's first step
-            p.grad = torch.zeros_like(p)
-        with apply_policy(model, policy) as handle:
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated() if cuda else 0
-            step(model, batch)
-            if cuda:
-                torch.cuda.synchronize()
-            row["peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else 0
-            row["step_peak_above_start_bytes"] = row["peak_bytes"] - before
-            if handle is not None:
-                row["replayed_ops_per_step"] = handle.stats.replayed_ops
-                row["recorded_forwards"] = handle.stats.recorded
-                row["forwards"] = handle.stats.forwards
-        model.zero_grad(set_to_none=True)
-        out["policies"][policy] = row
-        print(
-            f"  {name} {policy}: peak {row['peak_bytes'] / 2**30:.2f} GiB, diff {row['grad_max_abs_diff']}",
-            flush=True,
-        )
-    times: dict[str, list[float]] = {p: [] for p in POLICIES}
+    times: dict[str, list[float]] = {p: [] for p in names}
     for r in range(args.warmup + args.repeats):
-        for policy in POLICIES:
-            with apply_policy(model, policy):
+        for policy in names:
+            with apply_policy(model, policy, None, plans.get(policy)):
                 model.zero_grad(set_to_none=False)
                 if cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -145,10 +197,10 @@ def measure_model(name: str, args: argparse.Namespace, device: torch.device) -> 
                 times[policy].append(elapsed)
         print(f"  {name} timing round {r + 1}/{args.warmup + args.repeats}", flush=True)
     for policy, ts in times.items():
-        out["policies"][policy]["step_time_s"] = statistics.median(ts)
-        out["policies"][policy]["step_times_s"] = ts
-    tape = out["policies"]["tapesac_replay"]["step_time_s"]
-    out["tapesac_time_over"] = {p: tape / out["policies"][p]["step_time_s"] for p in POLICIES}
+        rows[policy]["step_time_s"] = statistics.median(ts)
+        rows[policy]["step_times_s"] = ts
+    tape = rows["tapesac_replay"]["step_time_s"]
+    out["tapesac_time_over"] = {p: tape / rows[p]["step_time_s"] for p in names}
     del model
     if cuda:
         torch.cuda.empty_cache()

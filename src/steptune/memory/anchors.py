@@ -111,8 +111,8 @@ def remove_anchor_(wrapped: list[nn.Module] | Callable[[], None]) -> None:
 def _checkpoint_core_attention() -> Callable[[], None]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    local = ALL_ATTENTION_FUNCTIONS._local_mapping
-    had_local = "sdpa" in local
+    local = getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", None)
+    had_local = local is None or "sdpa" in local
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def core_attention(*args: Any, **kwargs: Any) -> Any:
@@ -125,8 +125,8 @@ def _checkpoint_core_attention() -> Callable[[], None]:
     ALL_ATTENTION_FUNCTIONS["sdpa"] = core_attention
 
     def restore() -> None:
-        if had_local:
-            local["sdpa"] = original
+        if had_local or local is None:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = original
         else:
             local.pop("sdpa", None)
 
