@@ -51,20 +51,21 @@ _TORCHTITAN_SAVE = {
 def _torchtitan_context() -> Any:
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    mm_count = 0
+    mm_count = {"forward": 0, "recompute": 0}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        nonlocal mm_count
         if (
             func == _aten._to_copy.default
             and "cuda" in str(args[0].device)
             and str(kwargs.get("device")) == "cpu"
         ):
             return CheckpointPolicy.MUST_SAVE
+        # torchtitan counts forward and recompute calls apart (older torch calls the policy in both)
+        mode = "recompute" if getattr(ctx, "is_recompute", False) else "forward"
         if func == _aten.mm.default:
-            mm_count += 1
+            mm_count[mode] += 1
         # torchtitan: "recompute every second mm" (per block call)
-        save = func in _TORCHTITAN_SAVE and not (func == _aten.mm.default and mm_count % 2 == 0)
+        save = func in _TORCHTITAN_SAVE and not (func == _aten.mm.default and mm_count[mode] % 2 == 0)
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
