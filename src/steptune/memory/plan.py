@@ -156,6 +156,8 @@ def working_set(profile: BlockProfile, keep: frozenset[ValueKey]) -> int:
     order, _ = replay_cost(profile, keep)
     packed_groups = {tape.slots[sid].group for sid, _ in tape.packed_internal()}
     kept_groups = {tape.slots[sid].group for sid, _ in keep}
+    # Views of parameters and inputs (a weight's transpose, say) allocate nothing.
+    external_groups = {slot.group for slot in tape.slots if slot.producer == -1}
     last: dict[int, int] = {}
     for pos, n in enumerate(order):
         for sid, _ in tape.nodes[n].reads:
@@ -165,7 +167,7 @@ def working_set(profile: BlockProfile, keep: frozenset[ValueKey]) -> int:
     for pos, n in enumerate(order):
         for _, sid in tape.nodes[n].outs:
             slot = tape.slots[sid]
-            if slot.producer == n and slot.group not in kept_groups and slot.external is None:
+            if slot.producer == n and slot.group not in kept_groups and slot.group not in external_groups:
                 live.setdefault(slot.group, profile.group_bytes[slot.group])
         peak = max(peak, sum(live.values()))
         for group in list(live):
