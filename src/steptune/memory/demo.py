@@ -1,4 +1,5 @@
-"""Memory demo: replay-only TapeSAC against torch's full checkpointing on a small Qwen3 model."""
+"""Memory demo: replay-only TapeSAC against torch's full checkpointing on a small Qwen3 model, and
+the planner's memory-vs-time frontier against every anchor on a tiny one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from steptune.memory.compare import compare, compare_table, overhead_table, writ
 __all__ = ["run_memory_demo"]
 
 
-def run_memory_demo(out_dir: Path, *, model: str = "qwen3-small", repeats: int = 3) -> DemoResult:
+def run_memory_demo(
+    out_dir: Path, *, model: str = "qwen3-small", repeats: int = 3, bench_model: str = "qwen3-tiny"
+) -> DemoResult:
+    from steptune.memory.bench import bench_table, dominance, pareto_plot, run_bench
+
     out_dir.mkdir(parents=True, exist_ok=True)
     result = compare(model, repeats=repeats, overhead_repeats=3)
     tables = [compare_table(result)]
@@ -36,8 +41,12 @@ def run_memory_demo(out_dir: Path, *, model: str = "qwen3-small", repeats: int =
             title=f"{model}: forward+backward, {repeats} interleaved steps (measured)",
         ),
     ]
+    bench = run_bench(bench_model, repeats=repeats)
+    bench["dominance"] = dominance(bench)
+    tables.append(bench_table(bench))
+    artifacts.append(pareto_plot(bench, out_dir / "pareto.png"))
     return DemoResult(
-        title="memory: TapeSAC replay-only vs torch checkpointing (MEASURED on this CPU)",
+        title="memory: TapeSAC vs torch checkpointing and the hand-tuned anchors (MEASURED on this CPU)",
         tables=tables,
         artifacts=artifacts,
     )
