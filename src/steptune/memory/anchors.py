@@ -86,7 +86,9 @@ def _wrapped(
     return checkpoint(forward, *args, use_reentrant=False, early_stop=early_stop, **extra, **kwargs)
 
 
-def apply_anchor_(name: str, blocks: list[tuple[str, nn.Module]]) -> list[nn.Module] | Callable[[], None]:
+def apply_anchor_(
+    name: str, blocks: list[tuple[str, nn.Module]], context: Callable[[], Any] | None = None
+) -> list[nn.Module] | Callable[[], None]:
     """Apply anchor ``name`` to ``blocks``; returns what :func:`remove_anchor_` undoes."""
     if name == "torchtitan_sac":
         chosen, early_stop, ctx = [b for _, b in blocks], False, _torchtitan_context
@@ -94,6 +96,10 @@ def apply_anchor_(name: str, blocks: list[tuple[str, nn.Module]]) -> list[nn.Mod
         chosen, early_stop, ctx = [b for i, (_, b) in enumerate(blocks) if i % 2 == 0], True, None
     elif name == "megatron_core_attn":
         return _checkpoint_core_attention()
+    elif name.startswith("torch_auto_sac"):
+        if context is None:
+            raise ValueError(f"{name} needs auto-SAC's decisions (steptune.memory.autosac.auto_sac_context)")
+        chosen, early_stop, ctx = [b for _, b in blocks], True, context
     else:
         raise ValueError(f"unknown anchor {name!r}; choose one of {ANCHORS}")
     for block in chosen:

@@ -5,7 +5,8 @@ calibration of the peak model on the measured replay-only peak, one MILP plan pe
 between the replay-only and no-checkpointing peaks, plus each anchor's own measured peak, so the
 frontier has a point where every anchor sits), each plan's peak and gradients, then interleaved
 timing of every row on one thread. Anchors are torch's and other systems' own mechanisms (see
-``anchors.py``); PyTorch's private auto-SAC is not among them yet (docs/memory.md, Limits).
+``anchors.py``) and PyTorch's private auto-SAC decision model on the same measured op costs at
+three memory budgets (``autosac.py``; it needs one signature, the first).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from steptune.core.report import Table
 from steptune.memory.anchors import ANCHORS
+from steptune.memory.autosac import auto_sac_context, auto_sac_decisions
 from steptune.memory.compare import _single_thread
 from steptune.memory.measure import grads, max_abs_diff, measure_peak, measure_work, time_policies
 from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
@@ -36,6 +38,7 @@ def run_bench(
     model_name: str,
     *,
     fractions: tuple[float, ...] = (0.25, 0.5, 0.75),
+    auto_sac_budgets: tuple[float, ...] = (0.1, 0.25, 0.5),
     repeats: int = 7,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -63,8 +66,15 @@ def run_bench(
             "replayed_ops": work.backward_ops - base_work.backward_ops,
         }
 
+    plans: dict[str, Any] = {}
     for policy in FIXED:
         rows[policy] = measure(policy)
+    # PyTorch's auto-SAC decision model on the same measured op costs, at fractions of op memory.
+    block = next(iter(profiles.values()))
+    for budget in auto_sac_budgets:
+        name = f"torch_auto_sac@{budget:.2f}"
+        plans[name] = auto_sac_context(auto_sac_decisions(block, budget))
+        rows[name] = measure(name, plans)
     last_free, _ = measure_peak(
         model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}
     )
@@ -72,8 +82,7 @@ def run_bench(
     floor, top = rows["tapesac_replay"]["peak_bytes"], rows["no_ac"]["peak_bytes"]
     limits = {int(floor + f * (top - floor)) for f in fractions}
     limits.add(int((rows["full_ac"]["peak_bytes"] + top) / 2))  # the issue's "halfway" limit
-    limits |= {rows[a]["peak_bytes"] for a in FIXED if a not in ("no_ac", "tapesac_replay")}
-    plans: dict[str, Any] = {}
+    limits |= {r["peak_bytes"] for name, r in rows.items() if name not in ("no_ac", "tapesac_replay")}
     for limit in sorted(limits):
         if limit < floor:
             continue

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from steptune.memory.anchors import ANCHORS, apply_anchor_, remove_anchor_
-from steptune.memory.apply import SavePlan, TapeSACConfig, apply_tapesac_, find_blocks
+from steptune.memory.apply import TapeSACConfig, apply_tapesac_, find_blocks
 from steptune.memory.reuse import TemplateCache
 
 __all__ = [
@@ -80,10 +80,9 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def apply_policy(
-    model: nn.Module, policy: str, blocks: Any = None, plan: SavePlan | None = None
-) -> Iterator[Any]:
-    """Apply one of :data:`POLICIES`, an anchor of :mod:`steptune.memory.anchors`, or
+def apply_policy(model: nn.Module, policy: str, blocks: Any = None, plan: Any = None) -> Iterator[Any]:
+    """Apply one of :data:`POLICIES`, an anchor of :mod:`steptune.memory.anchors` (``plan``: the
+    context of a ``torch_auto_sac@...`` anchor), or
     ``tapesac_plan@...`` (with ``plan``) to ``model``'s blocks for the duration of the context."""
     if policy == "no_ac":
         yield None
@@ -100,8 +99,8 @@ def apply_policy(
         finally:
             handle.remove()
         return
-    if policy in ANCHORS:
-        wrapped_blocks = apply_anchor_(policy, find_blocks(model, blocks))
+    if policy in ANCHORS or policy.startswith("torch_auto_sac"):
+        wrapped_blocks = apply_anchor_(policy, find_blocks(model, blocks), plan)
         try:
             yield None
         finally:
@@ -138,7 +137,7 @@ def grads(
     batch: dict[str, torch.Tensor],
     policy: str,
     blocks: Any = None,
-    plans: Mapping[str, SavePlan] | None = None,
+    plans: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     with apply_policy(model, policy, blocks, (plans or {}).get(policy)):
@@ -167,7 +166,7 @@ def measure_work(
     batch: dict[str, torch.Tensor],
     policy: str,
     blocks: Any = None,
-    plans: Mapping[str, SavePlan] | None = None,
+    plans: Mapping[str, Any] | None = None,
 ) -> Work:
     """Ops and FLOPs dispatched during backward under ``policy`` (recomputation included)."""
     model.zero_grad(set_to_none=True)
@@ -185,7 +184,7 @@ def measure_peak(
     batch: dict[str, torch.Tensor],
     policy: str,
     blocks: Any = None,
-    plans: Mapping[str, SavePlan] | None = None,
+    plans: Mapping[str, Any] | None = None,
 ) -> tuple[int, int]:
     """``(peak, static)`` bytes of one forward+backward by torch's ``MemTracker`` (all live
     storages). Gradients are allocated before the step, as a training loop's are after its first
@@ -223,7 +222,7 @@ def time_policies(
     *,
     warmup: int = 1,
     blocks: Any = None,
-    plans: Mapping[str, SavePlan] | None = None,
+    plans: Mapping[str, Any] | None = None,
 ) -> dict[str, list[float]]:
     """Step times (forward+backward) per policy, interleaved round by round on the same batch."""
     times: dict[str, list[float]] = {p: [] for p in policies}
