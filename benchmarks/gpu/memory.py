@@ -3,7 +3,8 @@ checkpointing (early stop on, and off as torchtitan sets it) and no checkpointin
 few Qwen3-8B-like and Qwen3-30B-A3B-like decoder layers (HF transformers, random weights, bf16).
 
 Rows: no checkpointing, torch full checkpointing (early stop on and off), torchtitan's op-level
-SAC, HF every_n_layers=2, Megatron core-attention recompute, replay-only TapeSAC, and TapeSAC
+SAC, HF every_n_layers=2, Megatron core-attention recompute, PyTorch's auto-SAC decision model
+(reproduced on the op costs measured here) at three budgets, replay-only TapeSAC, and TapeSAC
 planned (profiled and solved on this GPU) at the limit halfway between full checkpointing's and no
 checkpointing's peaks and at each anchor's measured peak.
 
@@ -125,6 +126,7 @@ def peak_of(
 
 
 def measure_model(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from steptune.memory.autosac import auto_sac_context, auto_sac_decisions
     from steptune.memory.plan import calibrate, last_free_plan, plan_saves
     from steptune.memory.profile import profile_model
 
@@ -145,9 +147,17 @@ def measure_model(name: str, args: argparse.Namespace, device: torch.device) -> 
     last_free = peak_of(model, batch, "tapesac_plan", plans, cuda)["peak_bytes"]
     peak_model = calibrate(profiles, rows["tapesac_replay"]["peak_bytes"], last_free)
     out["profile_s"] = time.perf_counter() - t0
+    # PyTorch's auto-SAC decision model (reproduced, steptune.memory.autosac) on the op costs
+    # just measured on this device, at three fractions of the block's op memory.
+    block = next(iter(profiles.values()))
+    for budget in (0.1, 0.25, 0.5):
+        label = f"torch_auto_sac@{budget:.2f}"
+        plans[label] = auto_sac_context(auto_sac_decisions(block, budget))
+        rows[label] = peak_of(model, batch, label, plans, cuda)
+        print(f"  {name} {label}: peak {rows[label]['peak_bytes'] / 2**30:.2f} GiB", flush=True)
     floor, top = rows["tapesac_replay"]["peak_bytes"], rows["no_ac"]["peak_bytes"]
     limits = {int((rows["full_ac"]["peak_bytes"] + top) / 2)}  # halfway between full_ac and no_ac
-    limits |= {rows[a]["peak_bytes"] for a in FIXED if a not in ("no_ac", "tapesac_replay")}
+    limits |= {r["peak_bytes"] for a, r in rows.items() if a not in ("no_ac", "tapesac_replay")}
     out["halfway_limit_bytes"] = int((rows["full_ac"]["peak_bytes"] + top) / 2)
     for limit in sorted(x for x in limits if x >= floor):
         label = f"tapesac_plan@{limit / 2**20:.1f}MiB"
