@@ -152,7 +152,8 @@ def _run_block(
     stats = state.stats
     stats.forwards += 1
     plan = state.config.plan
-    key = signature(block, args, kwargs)
+    wants_key = state.config.reuse_tapes or plan is not None or state.on_record is not None
+    key = signature(block, args, kwargs) if wants_key else None
     keep = (plan.saves.get(name) or plan.saves.get(key, frozenset())) if plan is not None else frozenset()
     if key is not None and state.config.reuse_tapes:
         template = state.templates.get((key, keep))

@@ -23,8 +23,14 @@ import torch
 from steptune.core.report import Table
 from steptune.memory.anchors import ANCHORS
 from steptune.memory.autosac import auto_sac_context, auto_sac_decisions
-from steptune.memory.compare import _single_thread
-from steptune.memory.measure import grads, max_abs_diff, measure_peak, measure_work, time_policies
+from steptune.memory.measure import (
+    grads,
+    max_abs_diff,
+    measure_peak,
+    measure_work,
+    single_thread,
+    time_policies,
+)
 from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
 from steptune.memory.plan import calibrate, last_free_plan, plan_saves
 from steptune.memory.profile import profile_model
@@ -47,9 +53,9 @@ def run_bench(
     batch = make_batch(model_name)
     say("profiling")
     t0 = time.perf_counter()
-    profiles = _single_thread(profile_model, model, batch)
+    profiles = single_thread(profile_model, model, batch)
     profile_s = time.perf_counter() - t0
-    reference = _single_thread(grads, model, batch, "no_ac")
+    reference = single_thread(grads, model, batch, "no_ac")
     base_work = measure_work(model, batch, "no_ac")
     rows: dict[str, dict[str, Any]] = {}
 
@@ -57,7 +63,7 @@ def run_bench(
         say(f"peak and gradients: {policy}")
         peak, _ = measure_peak(model, batch, policy, plans=plans)
         work = measure_work(model, batch, policy, plans=plans)
-        diff = max_abs_diff(reference, _single_thread(grads, model, batch, policy, None, plans))
+        diff = max_abs_diff(reference, single_thread(grads, model, batch, policy, None, plans))
         return {
             "policy": policy,
             "peak_bytes": peak,
@@ -100,7 +106,7 @@ def run_bench(
         rows[name] = row
     say("timing")
     order = tuple(rows)
-    times = _single_thread(
+    times = single_thread(
         functools.partial(time_policies, warmup=1, plans=plans),
         model,
         batch,

@@ -40,8 +40,7 @@ def _parse_limit(text: str) -> float:
 
 def _plan(args: argparse.Namespace) -> int:
     from steptune.core.report import Table
-    from steptune.memory.compare import _single_thread
-    from steptune.memory.measure import measure_peak
+    from steptune.memory.measure import measure_peak, single_thread
     from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
     from steptune.memory.plan import calibrate, last_free_plan, plan_saves
     from steptune.memory.profile import profile_model
@@ -55,7 +54,7 @@ def _plan(args: argparse.Namespace) -> int:
         )
     model = build_model(args.model)
     batch = make_batch(args.model, batch=args.batch, seq=args.seq)
-    profiles = _single_thread(profile_model, model, batch)
+    profiles = single_thread(profile_model, model, batch)
     floor, _ = measure_peak(model, batch, "tapesac_replay")
     last_free, _ = measure_peak(
         model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}

@@ -1,7 +1,7 @@
 """`steptune memory compare`: replay-only TapeSAC against no checkpointing and torch's full
 checkpointing (early stop on and off) on one HF model, same batch, measured in one run.
 
-Per policy: max |grad - no_ac grad| (both on one thread, see ``_single_thread``), recomputation
+Per policy: max |grad - no_ac grad| (both on one thread, see ``single_thread``), recomputation
 added to backward (ops, matmul/attention FLOPs, bytes of fresh outputs), peak bytes (MemTracker,
 one step) and the median step time of interleaved repeated steps. Times on this CPU are CPU
 times; they are not GPU speedups.
@@ -21,7 +21,15 @@ from typing import Any
 import torch
 
 from steptune.core.report import Table
-from steptune.memory.measure import POLICIES, grads, max_abs_diff, measure_peak, measure_work, time_policies
+from steptune.memory.measure import (
+    POLICIES,
+    grads,
+    max_abs_diff,
+    measure_peak,
+    measure_work,
+    single_thread,
+    time_policies,
+)
 from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
 
 __all__ = ["CompareRow", "compare", "compare_table"]
@@ -57,13 +65,13 @@ def compare(
     model = build_model(model_name)
     batch = make_batch(model_name)
     say("gradients")
-    reference = _single_thread(grads, model, batch, "no_ac")
+    reference = single_thread(grads, model, batch, "no_ac")
     base = measure_work(model, batch, "no_ac")
     layer_ms = _layer_forward_ms(model, batch)
     rows: dict[str, dict[str, Any]] = {}
     for policy in policies:
         say(f"work and peak: {policy}")
-        diff = max_abs_diff(reference, _single_thread(grads, model, batch, policy))
+        diff = max_abs_diff(reference, single_thread(grads, model, batch, policy))
         work = measure_work(model, batch, policy)
         peak, static = measure_peak(model, batch, policy)
         rows[policy] = {
@@ -79,7 +87,7 @@ def compare(
             "tapesac_over_this": None,
         }
     if timed:
-        times = _single_thread(
+        times = single_thread(
             time_policies, model, batch, policies, repeats, lambda d, t: say(f"timing {d}/{t}")
         )
         tape_times = times.get("tapesac_replay")
@@ -91,7 +99,7 @@ def compare(
                 rows[policy]["tapesac_over_this"] = statistics.median(
                     a / b for a, b in zip(tape_times, ts, strict=True)
                 )
-    overhead = _single_thread(recording_overhead, model_name, overhead_repeats) if timed else None
+    overhead = single_thread(recording_overhead, model, batch, overhead_repeats) if timed else None
     preset = MODEL_PRESETS[model_name]
     return {
         "recording_overhead": overhead,
@@ -106,17 +114,6 @@ def compare(
         "date": time.strftime("%Y-%m-%d"),
         "rows": [asdict(CompareRow(**r)) for r in rows.values()],
     }
-
-
-def _single_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` on one intra-op thread: multi-threaded CPU reductions in MoE backward (index
-    accumulation) sum in a run-dependent order, so even two plain runs differ in the last bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _layer_forward_ms(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
@@ -206,13 +203,13 @@ def write_json(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def recording_overhead(model_name: str, repeats: int = 9) -> dict[str, Any]:
+def recording_overhead(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats: int = 9
+) -> dict[str, Any]:
     """Forward time (grad mode, no backward) with no TapeSAC, with TapeSAC recording every call,
     and with TapeSAC reusing its tape; interleaved rounds, medians."""
     from steptune.memory.apply import TapeSACConfig, apply_tapesac_
 
-    model = build_model(model_name)
-    batch = make_batch(model_name)
     variants = {"plain": None, "record_every_call": False, "reuse_tape": True}
     times: dict[str, list[float]] = {v: [] for v in variants}
     record_s: list[float] = []
@@ -236,7 +233,6 @@ def recording_overhead(model_name: str, repeats: int = 9) -> dict[str, Any]:
                 times[name].append(elapsed)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "model": model_name,
         "forward_s": med,
         "record_overhead": med["record_every_call"] / med["plain"] - 1.0,
         "reuse_overhead": med["reuse_tape"] / med["plain"] - 1.0,

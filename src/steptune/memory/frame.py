@@ -8,6 +8,7 @@ unpacked twice raises :class:`TapeSACError` (like torch's selective checkpointin
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -69,10 +70,10 @@ class Frame:
         self.tape = tape
         kept = dict(self.saved)  # packed values a save plan keeps (set by the pack hook)
         self.plan = plan if plan is not None else plan_replay(tape, set(tape.captured) | set(kept))
-        if len(self.pending) != len(tape.packed_internal()):
+        if len(self.pending) != len(self.plan.packed):
             raise TapeSACError(
                 f"TapeSAC block {self.name!r}: backward will read {len(self.pending)} replayed values "
-                f"but its tape records {len(tape.packed_internal())}; the tape does not match this forward"
+                f"but its tape records {len(self.plan.packed)}; the tape does not match this forward"
             )
         self.externals = {sid: externals[sid] for sid in _external_reads(tape, self.plan)}
         self.versions = {sid: t._version for sid, t in self.externals.items()}
@@ -100,8 +101,6 @@ class Frame:
         return value
 
     def _materialize(self) -> None:
-        import time
-
         assert self.tape is not None and self.plan is not None, "backward before forward finished"
         for sid, tensor in self.externals.items():
             ext = self.tape.slots[sid].external

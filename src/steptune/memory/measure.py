@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from steptune.memory.anchors import ANCHORS, apply_anchor_, remove_anchor_
 from steptune.memory.apply import TapeSACConfig, apply_tapesac_, find_blocks
+from steptune.memory.record import op_flops
 from steptune.memory.reuse import TemplateCache
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "max_abs_diff",
     "measure_peak",
     "measure_work",
+    "single_thread",
     "time_policies",
 ]
 
@@ -62,14 +64,11 @@ class OpCounter(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         from torch.utils._pytree import tree_flatten
-        from torch.utils.flop_counter import flop_registry
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.ops[str(func)] += 1
-        fn = flop_registry.get(func.overloadpacket)
-        if fn is not None:
-            self.flops += int(fn(*args, **kwargs, out_val=out))
+        self.flops += op_flops(func, args, kwargs, out)
         inputs = {
             a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
         }
@@ -246,3 +245,14 @@ def time_policies(
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def single_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` on one intra-op thread: multi-threaded CPU reductions in MoE backward (index
+    accumulation) sum in a run-dependent order, so even two plain runs differ in the last bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)

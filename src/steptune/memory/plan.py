@@ -26,7 +26,6 @@ checkpointing on a two-layer model, found by the bench).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,7 @@ from steptune.memory.apply import SavePlan
 from steptune.memory.profile import BlockProfile
 from steptune.memory.tape import Tape, ValueKey, backward_slice
 
-__all__ = ["BlockPlan", "MemoryPlan", "PeakModel", "frontier", "plan_saves", "replay_cost", "working_set"]
+__all__ = ["BlockPlan", "MemoryPlan", "PeakModel", "plan_saves", "replay_cost", "working_set"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,11 +374,3 @@ def _solve_greedy(
         _, key, cand, extra = best
         keeps[key].add(cand)
         used += extra
-
-
-def frontier(
-    profiles: dict[Any, BlockProfile], peak: PeakModel, limits: Sequence[int], *, solver: str = "milp"
-) -> list[MemoryPlan]:
-    """One plan per limit (limits below the floor are skipped)."""
-    floor = peak.predict(profiles, {})
-    return [plan_saves(profiles, peak, lim, solver=solver) for lim in limits if lim >= floor]

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from steptune.memory.tape import ExternalRef, OpNode, Slot, Tape, ValueKey, _Ref
 
-__all__ = ["Recorder", "force_save_reason"]
+__all__ = ["Recorder", "force_save_reason", "op_flops"]
 
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d", "_c10d_functional_autograd", "_dtensor"})
 # Ops that write buffers their schema does not mark as written (running statistics).
@@ -244,7 +244,7 @@ class Recorder(TorchDispatchMode):
             for (pos, sid), version in zip(node.outs, node.out_versions, strict=True):
                 self.captured[(sid, version)] = flat_out[pos]
         if self._count_flops:
-            node.flops = _flops(func, args, kwargs, out)
+            node.flops = op_flops(func, args, kwargs, out)
         self.nodes.append(node)
         self.seconds += time.perf_counter() - start
         return out
@@ -440,7 +440,7 @@ def _rng_snapshot(flat: list[Any]) -> Any:
     return (device, torch.get_rng_state())
 
 
-def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
     """FLOPs by torch's own FlopCounterMode formulas (matmuls and attention; 0 for the rest)."""
     from torch.utils.flop_counter import flop_registry
 

@@ -33,6 +33,8 @@ class ReplayPlan:
     keep: frozenset[int]
     """Slots backward unpacks (never dropped by the replay)."""
     reads_saved: frozenset[ValueKey]
+    packed: tuple[ValueKey, ...]
+    """The internal values autograd packed (what the replay must return)."""
     num_ops: int
     flops: int
 
@@ -51,6 +53,7 @@ def plan_replay(tape: Tape, saved: set[ValueKey]) -> ReplayPlan:
         last_use=last_use,
         keep=frozenset(sid for sid, _ in needed),
         reads_saved=frozenset(cut),
+        packed=tuple(needed),
         num_ops=len(order),
         flops=sum(tape.nodes[n].flops for n in order),
     )
@@ -82,7 +85,7 @@ def run_replay(
                 if plan.last_use.get(sid) == pos and sid not in plan.keep:
                     env.pop(sid, None)
     result: dict[ValueKey, torch.Tensor] = {}
-    for key in tape.packed_internal():
+    for key in plan.packed:
         if key in saved:
             result[key] = saved[key]
         elif key[0] in env:
