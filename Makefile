@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,hf,data]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,hf,data,llm]"
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 

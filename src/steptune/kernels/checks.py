@@ -1,0 +1,174 @@
+"""Static checks on candidate source, run before any candidate code executes.
+
+They reject the cheats and hazards known from KernelBench's static checker, METR's filters and Sakana's
+exploit, by reading the AST (not by regex, so comments and strings do not trip them):
+
+- fallbacks: any `try`/`except` (a kernel that fails silently falls back to the reference);
+- escaping the sandbox or the checks: processes, threads, signals, sockets (`subprocess`, `multiprocessing`,
+  `threading`, `concurrent`, `signal`, `socket`, `os.fork`/`system`/`popen`/`exec*`/`kill`/`spawn*`);
+- introspection that can reach the reference's results or disable the runtime op recorder (`gc`, `inspect`,
+  `sys._getframe`, `torch._C`, `torch.utils._python_dispatch`, `builtins`, `importlib`, `__import__`, `exec`,
+  `eval`, `compile`, `globals`);
+- work on side streams (`torch.cuda.Stream`, `torch.cuda.stream(...)`), which timing on the default stream
+  would miss;
+- attribute access by computed name (`getattr(x, name)` with a non-literal name), the usual way around all of
+  the above.
+
+Static checks are the first line only. The worker also checks at run time: the aten ops the candidate
+dispatches (calling the reference's op sequence is rejected), output aliasing, input mutation, guard bytes
+around inputs, threads left running, and processes left running. A candidate that passes here can still be
+rejected there.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+__all__ = ["Finding", "static_check"]
+
+_BANNED_MODULES = {
+    "subprocess": "starts processes",
+    "multiprocessing": "starts processes",
+    "threading": "starts threads",
+    "_thread": "starts threads",
+    "concurrent": "starts threads or processes",
+    "signal": "handles signals",
+    "socket": "opens sockets",
+    "gc": "can reach the reference's tensors",
+    "inspect": "can reach the evaluator's frames",
+    "builtins": "can rebind builtins",
+    "importlib": "imports by computed name",
+    "pickle": "can run arbitrary code",
+    "asyncio": "starts an event loop",
+    "steptune_problem": "reaches the reference module",
+    "steptune_candidate": "reaches the evaluator's module table",
+}
+_BANNED_OS = {"fork", "forkpty", "system", "popen", "kill", "killpg", "spawnv", "spawnl", "posix_spawn"}
+_BANNED_CALLS = {
+    "__import__": "imports by computed name",
+    "exec": "runs generated code",
+    "eval": "runs generated code",
+    "compile": "compiles generated code",
+    "globals": "reaches module state by name",
+    "breakpoint": "enters a debugger",
+}
+_BANNED_ATTR_PATHS = {
+    "torch._C": "reaches torch internals (can disable the runtime op recorder)",
+    "torch.utils._python_dispatch": "can disable the runtime op recorder",
+    "torch.cuda.Stream": "runs work on a side stream that timing would miss",
+    "torch.cuda.stream": "runs work on a side stream that timing would miss",
+    "sys._getframe": "can reach the evaluator's frames",
+    "sys.modules": "can reach the reference module",
+    "sys.settrace": "hooks the evaluator",
+    "sys.setprofile": "hooks the evaluator",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One rule a candidate broke, with the line it broke it on."""
+
+    rule: str
+    line: int
+    detail: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.detail} ({self.rule})"
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+class _Visitor(ast.NodeVisitor):
+    def __init__(self) -> None:
+        self.findings: list[Finding] = []
+        self.aliases: dict[str, str] = {}  # local name -> module path, from imports
+
+    def _add(self, rule: str, node: ast.AST, detail: str) -> None:
+        self.findings.append(Finding(rule, getattr(node, "lineno", 0), detail))
+
+    def _module(self, name: str, node: ast.AST) -> None:
+        root = name.split(".")[0]
+        if root in _BANNED_MODULES:
+            self._add("banned-import", node, f"imports {name}, which {_BANNED_MODULES[root]}")
+        for path, why in _BANNED_ATTR_PATHS.items():
+            if name == path or name.startswith(path + "."):
+                self._add("banned-import", node, f"imports {name}, which {why}")
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for a in node.names:
+            self._module(a.name, node)
+            self.aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        mod = node.module or ""
+        self._module(mod, node)
+        for a in node.names:
+            full = f"{mod}.{a.name}"
+            self._module(full, node)
+            if mod == "os" and (a.name in _BANNED_OS or a.name.startswith(("exec", "spawn"))):
+                self._add("banned-call", node, f"imports os.{a.name}, which starts or kills processes")
+            self.aliases[a.asname or a.name] = full
+
+    def visit_Try(self, node: ast.Try) -> None:
+        self._add("try-fallback", node, "try/except can hide a failing kernel behind a fallback")
+        self.generic_visit(node)
+
+    visit_TryStar = visit_Try  # type: ignore[assignment]
+
+    def _resolve(self, dotted: str) -> str:
+        head, _, rest = dotted.partition(".")
+        base = self.aliases.get(head, head)
+        return f"{base}.{rest}" if rest else base
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        dotted = _dotted(node)
+        if dotted is not None:
+            full = self._resolve(dotted)
+            for path, why in _BANNED_ATTR_PATHS.items():
+                if full == path or full.startswith(path + "."):
+                    self._add("banned-attribute", node, f"uses {full}, which {why}")
+                    return
+            mod, _, attr = full.rpartition(".")
+            if mod == "os" and (attr in _BANNED_OS or attr.startswith(("exec", "spawn"))):
+                self._add("banned-call", node, f"uses os.{attr}, which starts or kills processes")
+                return
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if isinstance(node.func, ast.Name):
+            name = node.func.id
+            if name in _BANNED_CALLS and name not in self.aliases:
+                self._add("banned-call", node, f"calls {name}(), which {_BANNED_CALLS[name]}")
+            if (
+                name in ("getattr", "setattr", "delattr")
+                and len(node.args) >= 2
+                and not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str))
+            ):
+                self._add("computed-attribute", node, f"{name}() with a computed name can bypass checks")
+        self.generic_visit(node)
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if node.id in ("__builtins__", "__loader__", "__spec__"):
+            self._add("banned-attribute", node, f"uses {node.id}, which can reach builtins or the importer")
+
+
+def static_check(source: str) -> list[Finding]:
+    """Rules `source` breaks (empty when it passes). A syntax error is not a finding: it is a compile error,
+    reported by the worker with the interpreter's own message."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    v = _Visitor()
+    v.visit(tree)
+    return v.findings

@@ -1,0 +1,352 @@
+"""Validation and profiling of one candidate, run inside the sandboxed worker child (see sandbox.py).
+
+Contract: `run_job` is called once per fresh child process, after the sandbox limits are set; it imports the
+problem and the candidate from files in the child's working directory and returns a JSON-able result dict. It
+never catches what it cannot classify: a crash, hang or blow-up ends the child, and the worker (which outlives
+it) gives the verdict from the exit status.
+
+Validation (KernelBench's protocol, hardened): the reference and the candidate are built from the same seed;
+for each trial, fresh seeded inputs; the candidate runs FIRST, on its own copies placed between guard bytes,
+under an op recorder; then the reference runs on separate copies. Checked: output count, shape, dtype, NaN,
+allclose at the problem's tolerance, inputs unmutated (bitwise), guard bytes intact (out-of-bounds writes),
+output storage not an earlier output of either side (stale or stolen results), no threads left, and the
+reference's op sequence not replayed by the candidate (a subsequence test over aten ops, plus the
+problem's FORBIDDEN_OPS).
+
+Profiling: one validation trial first (profiling a wrong kernel is pointless), then warm-up and `rounds`
+rounds in which reference and candidate are each timed over enough calls to last `round_s`, their order
+alternating; speedup is the median of per-round ratios (paired: both see the same machine noise). On CUDA:
+events per call with a 256 MB L2 flush between calls, as KernelBench does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from steptune.kernels.problems import import_source, tolerance
+
+__all__ = ["run_job"]
+
+# Ops that move, view, allocate or convert data; they do not count as "calling the reference".
+_NON_COMPUTE = {
+    "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.zeros", "aten.zeros_like", "aten.ones",
+    "aten.ones_like", "aten.full", "aten.full_like", "aten.fill_", "aten.zero_", "aten.copy_", "aten.clone",
+    "aten.contiguous", "aten._to_copy", "aten.to", "aten.detach", "aten.alias", "aten.lift_fresh",
+    "aten.view", "aten._unsafe_view", "aten.reshape", "aten.expand", "aten.permute", "aten.t",
+    "aten.transpose", "aten.select", "aten.slice", "aten.unsqueeze", "aten.squeeze", "aten.as_strided",
+    "aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind", "aten.narrow", "aten.resize_",
+    "aten.set_", "aten.is_same_size", "aten.sym_size", "aten.sym_stride", "aten.sym_numel",
+    "aten.sym_storage_offset", "aten.size", "aten.stride", "aten.numel", "aten._local_scalar_dense",
+}  # fmt: skip
+_GUARD_BYTES = 4096
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func.overloadpacket)
+        if name not in _NON_COMPUTE:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class _Verdict(Exception):
+    def __init__(self, verdict: str, reason: str, **extra: Any) -> None:
+        super().__init__(reason)
+        self.verdict, self.reason, self.extra = verdict, reason, extra
+
+
+def _outputs(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, tuple | list) else [out]
+
+
+def _is_subsequence(needle: Sequence[str], hay: Sequence[str]) -> bool:
+    it = iter(hay)
+    return all(any(h == n for h in it) for n in needle)
+
+
+def _guarded(t: torch.Tensor, pattern: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of `t` living between two guard regions of `pattern` bytes; returns (view, whole buffer)."""
+    pad = _GUARD_BYTES // t.element_size()
+    buf = torch.empty(t.numel() + 2 * pad, dtype=t.dtype, device=t.device)
+    raw = buf.view(torch.uint8)
+    raw[:_GUARD_BYTES].copy_(pattern)
+    raw[-_GUARD_BYTES:].copy_(pattern)
+    view = buf[pad : pad + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view, buf
+
+
+def _guards_intact(buf: torch.Tensor, pattern: torch.Tensor) -> bool:
+    raw = buf.view(torch.uint8)
+    return bool(torch.equal(raw[:_GUARD_BYTES], pattern) and torch.equal(raw[-_GUARD_BYTES:], pattern))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _to(x: Any, device: str) -> Any:
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def _build(
+    problem: dict[str, Any], candidate: str, workdir: Path, device: str
+) -> tuple[Any, Any, Any, float]:
+    prob = import_source(problem["source"], workdir / "problem.py", "steptune_problem")
+    t0 = time.perf_counter()
+    try:
+        cand = import_source(candidate, workdir / "candidate.py", "steptune_candidate")
+    except MemoryError:
+        raise
+    except SyntaxError as exc:
+        raise _Verdict("compile_error", f"syntax error: {exc}") from exc
+    except Exception as exc:
+        log = getattr(exc, "log", "")
+        kind = "the C compiler failed" if log else f"importing the candidate raised {type(exc).__name__}"
+        raise _Verdict("compile_error", f"{kind}: {str(exc)[-1500:]}") from exc
+    compile_s = time.perf_counter() - t0
+    if not hasattr(cand, "ModelNew"):
+        raise _Verdict("compile_error", "the candidate defines no ModelNew class")
+    seed = int(problem.get("seed", 0))
+    torch.manual_seed(seed)
+    init = prob.get_init_inputs()
+    ref = prob.Model(*init).to(device).eval()
+    torch.manual_seed(seed)
+    try:
+        new = cand.ModelNew(*init).to(device).eval()
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise _Verdict("crashed", f"ModelNew(...) raised {type(exc).__name__}: {exc}") from exc
+    return prob, ref, new, compile_s
+
+
+def _call(fn: Callable[..., Any], args: list[Any], what: str) -> Any:
+    try:
+        return fn(*args)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        if "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower():
+            raise _Verdict("resource_limit", f"{what} ran out of memory: {str(exc)[:300]}") from exc
+        tb = traceback.format_exc(limit=4)[-1200:]
+        raise _Verdict("crashed", f"{what} raised {type(exc).__name__}: {exc}\n{tb}") from exc
+
+
+def _validate(
+    prob: Any, ref: Any, new: Any, problem: dict[str, Any], trials: int, device: str
+) -> dict[str, Any]:
+    seed = int(problem.get("seed", 0))
+    forbidden = problem.get("forbidden_ops")
+    outs_alive: list[torch.Tensor] = []  # earlier outputs, kept alive so no new tensor can reuse their memory
+    ref_ptrs: set[int] = set()
+    cand_ptrs: set[int] = set()
+    ref_ops: list[str] | None = None
+    max_diff = 0.0
+    gen = torch.Generator().manual_seed(seed ^ 0x5EED)
+    pattern = torch.randint(0, 256, (_GUARD_BYTES,), dtype=torch.uint8, generator=gen).to(device)
+    with torch.no_grad():
+        _call(ref, [_to(x, device) for x in prob.get_inputs()], "the reference")  # warm, lazy thread pools
+        base_threads = threading.active_count()
+        base_tasks = len(os.listdir("/proc/self/task"))
+        for trial in range(trials):
+            torch.manual_seed(seed + 1000 + trial)
+            inputs = [_to(x, device) for x in prob.get_inputs()]
+            pristine = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+            cand_in: list[Any] = []
+            guards: list[tuple[int, torch.Tensor]] = []
+            for i, x in enumerate(inputs):
+                if isinstance(x, torch.Tensor) and x.is_contiguous() and x.numel() > 0:
+                    view, buf = _guarded(x, pattern)
+                    cand_in.append(view)
+                    guards.append((i, buf))
+                else:
+                    cand_in.append(x.clone() if isinstance(x, torch.Tensor) else x)
+            rec = _OpRecorder()
+            with rec:
+                out_c = _call(new, cand_in, "the candidate")
+            if device == "cuda":
+                torch.cuda.synchronize()
+            for i, buf in guards:
+                if not _guards_intact(buf, pattern):
+                    raise _Verdict("crashed", f"out-of-bounds write: guard bytes around input {i} changed")
+            if threading.active_count() > base_threads or len(os.listdir("/proc/self/task")) > base_tasks:
+                raise _Verdict("rejected", "the candidate left threads running")
+            for i, (x, p) in enumerate(zip(cand_in, pristine, strict=True)):
+                if isinstance(x, torch.Tensor) and not _same_bits(x, p):
+                    raise _Verdict("incorrect", f"the candidate mutated input {i}")
+            ref_rec = _OpRecorder()
+            with ref_rec:
+                ref_in = [x.clone() if isinstance(x, torch.Tensor) else x for x in pristine]
+                out_r = _call(ref, ref_in, "the reference")
+            if ref_ops is None:
+                ref_ops = ref_rec.ops
+            hit = sorted({op for op in rec.ops if forbidden and op in forbidden})
+            if hit:
+                raise _Verdict("rejected", f"the candidate calls forbidden op(s) {', '.join(hit)}")
+            if forbidden is None and ref_ops and _is_subsequence(ref_ops, rec.ops):
+                raise _Verdict(
+                    "rejected",
+                    f"the candidate replays the reference's own ops ({' -> '.join(ref_ops[:6])}"
+                    f"{' ...' if len(ref_ops) > 6 else ''}) instead of implementing them",
+                )
+            outs_c, outs_r = _outputs(out_c), _outputs(out_r)
+            if len(outs_c) != len(outs_r):
+                raise _Verdict("incorrect", f"returned {len(outs_c)} outputs, the reference {len(outs_r)}")
+            for k, (c, r) in enumerate(zip(outs_c, outs_r, strict=True)):
+                if not isinstance(r, torch.Tensor):
+                    if c != r:
+                        raise _Verdict("incorrect", f"output {k} is {c!r}, the reference gives {r!r}")
+                    continue
+                if not isinstance(c, torch.Tensor):
+                    raise _Verdict("incorrect", f"output {k} is a {type(c).__name__}, not a tensor")
+                ptr = c.untyped_storage().data_ptr()
+                if ptr in ref_ptrs:
+                    raise _Verdict("rejected", f"output {k} is the reference's output from an earlier trial")
+                if ptr in cand_ptrs:
+                    raise _Verdict(
+                        "rejected", f"output {k} is its own output from an earlier trial (outputs must be fresh)"
+                    )
+                if c.shape != r.shape:
+                    raise _Verdict(
+                        "incorrect", f"output {k} has shape {tuple(c.shape)}, not {tuple(r.shape)}"
+                    )
+                if c.dtype != r.dtype:
+                    raise _Verdict("incorrect", f"output {k} has dtype {c.dtype}, expected {r.dtype}")
+                if c.device != r.device:
+                    raise _Verdict("incorrect", f"output {k} is on {c.device}, expected {r.device}")
+                atol = problem.get("atol") or tolerance(r.dtype)
+                rtol = problem.get("rtol") or tolerance(r.dtype)
+                if r.is_floating_point():
+                    bad_nan = torch.isnan(c) & ~torch.isnan(r)
+                    if bool(bad_nan.any()):
+                        raise _Verdict(
+                            "incorrect",
+                            f"output {k} has {int(bad_nan.sum())} NaN where the reference has none",
+                        )
+                    diff = (c.double() - r.double()).abs()
+                    diff = diff[~(torch.isnan(c) & torch.isnan(r))]
+                    d = float(diff.max()) if diff.numel() else 0.0
+                    max_diff = max(max_diff, d)
+                    if not torch.allclose(c, r, atol=atol, rtol=rtol, equal_nan=True):
+                        raise _Verdict(
+                            "incorrect",
+                            f"output {k} differs from the reference in trial {trial}: max abs diff {d:.3g} "
+                            f"(atol {atol:g}, rtol {rtol:g})",
+                            max_abs_diff=d,
+                        )
+                elif not torch.equal(c, r):
+                    raise _Verdict("incorrect", f"output {k} differs from the reference in trial {trial}")
+            for outs, ptrs in ((outs_r, ref_ptrs), (outs_c, cand_ptrs)):
+                for t in outs:
+                    if isinstance(t, torch.Tensor) and t.numel():
+                        outs_alive.append(t)
+                        ptrs.add(t.untyped_storage().data_ptr())
+    return {"max_abs_diff": max_diff, "trials": trials, "ref_ops": (ref_ops or [])[:20]}
+
+
+def _time_cpu(fn: Callable[[], Any], n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def _time_cuda(fn: Callable[[], Any], n: int, flush: torch.Tensor) -> float:
+    times = []
+    for _ in range(n):
+        flush.zero_()  # evict L2 (256 MB > any current L2), as KernelBench's cuda_event timing does
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _profile(prob: Any, ref: Any, new: Any, job: dict[str, Any], device: str) -> dict[str, Any]:
+    seed = int(job["problem"].get("seed", 0))
+    torch.manual_seed(seed + 99)
+    inputs = [_to(x, device) for x in prob.get_inputs()]
+    ref_in = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    rounds, round_s = int(job.get("rounds", 15)), float(job.get("round_s", 0.005))
+
+    def f_ref() -> Any:
+        return ref(*ref_in)
+
+    def f_new() -> Any:
+        return new(*inputs)
+
+    with torch.no_grad():
+        flush = torch.empty(64 * 2**20, dtype=torch.int32, device=device) if device == "cuda" else None
+        t_warm = time.perf_counter()
+        n_warm = 0
+        while time.perf_counter() - t_warm < float(job.get("warmup_s", 0.05)) or n_warm < 3:
+            f_ref()
+            f_new()
+            n_warm += 1
+        if device == "cuda":
+            torch.cuda.synchronize()
+        per_call = max(_time_cpu(f_ref, 3), _time_cpu(f_new, 3), 1e-7)
+        n = max(1, min(10_000, math.ceil(round_s / per_call)))
+        t_ref, t_new, ratios = [], [], []
+        for r in range(rounds):
+            order = [("ref", f_ref), ("new", f_new)] if r % 2 == 0 else [("new", f_new), ("ref", f_ref)]
+            got: dict[str, float] = {}
+            for name, fn in order:
+                got[name] = _time_cuda(fn, n, flush) if flush is not None else _time_cpu(fn, n)
+            t_ref.append(got["ref"])
+            t_new.append(got["new"])
+            ratios.append(got["ref"] / max(got["new"], 1e-12))
+    return {
+        "ref_time_s": statistics.median(t_ref),
+        "candidate_time_s": statistics.median(t_new),
+        "speedup": statistics.median(ratios),
+        "rounds": rounds,
+        "calls_per_round": n,
+        "round_ratios": [round(x, 4) for x in ratios],
+    }
+
+
+def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Validate (and, for kind "profile", time) one candidate; returns the result dict."""
+    device = str(job.get("device", "cpu"))
+    torch.set_num_threads(int(job.get("threads", 1)))
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"kind": job["kind"]}
+    try:
+        prob, ref, new, compile_s = _build(job["problem"], job["candidate"], workdir, device)
+        out["compile_s"] = compile_s
+        trials = int(job.get("trials", 5)) if job["kind"] == "validate" else 1
+        out.update(_validate(prob, ref, new, job["problem"], trials, device))
+        if job["kind"] == "profile":
+            out.update(_profile(prob, ref, new, job, device))
+        out.update(verdict="correct", reason="")
+        if job["kind"] == "profile" and out["speedup"] > float(job.get("excessive_speedup", 10.0)):
+            out["reason"] = f"speedup {out['speedup']:.1f}x is suspiciously high: check the kernel by hand"
+    except _Verdict as v:
+        out.update(v.extra, verdict=v.verdict, reason=v.reason)
+    except MemoryError:
+        out.update(verdict="resource_limit", reason="the candidate exceeded the memory limit (MemoryError)")
+    except RecursionError:
+        out.update(verdict="crashed", reason="the candidate recursed too deeply")
+    out["run_s"] = time.perf_counter() - t0
+    return out

@@ -1,0 +1,323 @@
+"""The evaluation pool: candidates in, verdicts out, on a set of sandboxed workers with roles and priorities.
+
+Contract: `EvalPool` owns its workers (one `python -m steptune.kernels.sandbox` process each) and a scratch
+folder; `close()` (or leaving the `with` block) kills the workers and removes the folder. Requests carry a
+kind (`validate`, `profile`) and a priority (higher runs first; ties in arrival order). A worker has a role
+(`validate`, `profile` or `any`) that `set_roles` may change while the pool runs: a worker finishes the job
+it holds and takes its next job by its new role, so a timing run is never preempted. If a worker process
+dies (it should not: candidates run in its children) its job is reported as crashed and the worker restarts.
+`submit` returns a `concurrent.futures.Future[Result]`; `evaluate` validates and, if correct, profiles.
+Static checks run in the caller before a request is queued: they are cheap and never execute candidate code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from steptune.kernels.checks import static_check
+from steptune.kernels.problems import Problem, load_problem
+
+__all__ = ["VERDICTS", "EvalPool", "PoolConfig", "Result"]
+
+VERDICTS = ("correct", "incorrect", "rejected", "crashed", "timeout", "compile_error", "resource_limit")
+Kind = Literal["validate", "profile"]
+Role = Literal["validate", "profile", "any"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolConfig:
+    """How many workers, what they may use, and how they check and time."""
+
+    num_workers: int = 2
+    """Worker processes (each runs one candidate at a time)."""
+    roles: tuple[str, ...] | None = None
+    """Initial role per worker (`validate`, `profile`, `any`); None means all `any`."""
+    timeout_s: float = 60.0
+    """Wall-clock limit per request, compile included."""
+    cpu_s: int | None = None
+    """CPU-time limit per request; default timeout_s + 5."""
+    memory_bytes: int = 2 * 2**30
+    """Memory a candidate may add above the worker's own footprint."""
+    file_bytes: int = 256 * 2**20
+    """Largest file a candidate may write."""
+    isolate_network: bool = True
+    """As root: run candidates in a new network namespace (no interfaces up)."""
+    drop_privileges: bool = True
+    """As root: run candidates as uid/gid `nobody` with no-new-privs and a process cap."""
+    pin_cores: bool = True
+    """Pin each worker's candidates to one core (worker i on core i mod the cores this process may use)."""
+    static_checks: bool = True
+    """Reject known cheats before running (turn off only to test the run-time checks)."""
+    trials: int = 5
+    """Validation trials, each with fresh seeded inputs."""
+    rounds: int = 15
+    """Profiling rounds (median of per-round reference/candidate ratios)."""
+    round_s: float = 0.005
+    """Time each side of a profiling round should last."""
+    device: str = "cpu"
+    """`cpu`, or `cuda` where a GPU is present (CUDA events and L2 flush)."""
+    seed: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class Result:
+    """A verdict with its evidence. `speedup` is reference time / candidate time (profiled requests only)."""
+
+    verdict: str
+    reason: str = ""
+    kind: str = "validate"
+    speedup: float | None = None
+    ref_time_s: float | None = None
+    candidate_time_s: float | None = None
+    max_abs_diff: float | None = None
+    compile_s: float | None = None
+    wall_s: float | None = None
+    worker: int | None = None
+    problem: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(order=True)
+class _Request:
+    sort_key: tuple[int, int]
+    kind: str = field(compare=False)
+    problem: Problem = field(compare=False)
+    source: str = field(compare=False)
+    future: Future[Result] = field(compare=False)
+
+
+_FIELDS = {
+    "verdict", "reason", "kind", "speedup", "ref_time_s", "candidate_time_s", "max_abs_diff", "compile_s",
+}  # fmt: skip
+
+
+class _Worker:
+    def __init__(self, pool: EvalPool, index: int, role: str) -> None:
+        self.pool, self.index, self.role = pool, index, role
+        self.proc: subprocess.Popen[str] | None = None
+        self.busy = False
+        self.jobs_done = 0
+        self.thread = threading.Thread(target=self._loop, name=f"steptune-eval-{index}", daemon=True)
+
+    def _start(self) -> subprocess.Popen[str]:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        src = str(Path(__file__).resolve().parents[2])  # so a source-tree run (PYTHONPATH=src) works too
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "steptune.kernels.sandbox", str(self.pool.root)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None
+        ready = proc.stdout.readline()
+        if not ready.startswith('{"ready"'):
+            proc.kill()
+            raise RuntimeError(f"evaluation worker {self.index} failed to start (got {ready!r})")
+        self.pool.can_drop_privileges = bool(json.loads(ready).get("can_drop_privileges"))
+        return proc
+
+    def _loop(self) -> None:
+        while True:
+            req = self.pool._next(self)
+            if req is None:
+                return
+            self.busy = True
+            try:
+                req.future.set_result(self._run(req))
+            except BaseException as exc:
+                req.future.set_exception(exc)
+            finally:
+                self.busy = False
+                self.jobs_done += 1
+
+    def _run(self, req: _Request) -> Result:
+        cfg = self.pool.config
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = self._start()
+        job = self.pool._job(req, self.index)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:  # the worker itself died: report, restart on the next request
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+            why = "the evaluation worker died"
+            return Result(verdict="crashed", reason=why, kind=req.kind, worker=self.index)
+        raw = json.loads(line)
+        res = Result(**{k: raw[k] for k in _FIELDS if k in raw and raw[k] is not None})
+        res.wall_s, res.worker, res.problem = raw.get("wall_s"), self.index, req.problem.name
+        res.extra = {k: v for k, v in raw.items() if k not in _FIELDS and k not in ("id",)}
+        del cfg
+        return res
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class EvalPool:
+    """Sandboxed evaluation workers with roles and a priority queue. Use as a context manager."""
+
+    def __init__(self, config: PoolConfig | None = None) -> None:
+        self.config = cfg = config or PoolConfig()
+        if cfg.num_workers < 1:
+            raise ValueError("num_workers must be at least 1")
+        roles = list(cfg.roles or ["any"] * cfg.num_workers)
+        if len(roles) != cfg.num_workers or any(r not in ("validate", "profile", "any") for r in roles):
+            raise ValueError(f"roles must be {cfg.num_workers} of 'validate', 'profile', 'any'; got {roles}")
+        self.root = Path(tempfile.mkdtemp(prefix="steptune-eval-"))
+        self.build_dir = self.root / "build"
+        self.build_dir.mkdir()
+        os.chmod(self.root, 0o755)
+        os.chmod(self.build_dir, 0o1777)  # sticky: unprivileged children share compiled kernels
+        self._cores = sorted(os.sched_getaffinity(0))
+        self._cv = threading.Condition()
+        self._queue: list[_Request] = []
+        self._seq = itertools.count()
+        self._closed = False
+        self.can_drop_privileges: bool | None = None
+        """Known once a worker has started: False where uid `nobody` cannot read this Python (then
+        candidates run with the caller's uid; docs/kernels.md)."""
+        self.workers = [_Worker(self, i, r) for i, r in enumerate(roles)]
+        for w in self.workers:
+            w.thread.start()
+
+    # -- queue -------------------------------------------------------------------------------------------
+    def _next(self, worker: _Worker) -> _Request | None:
+        with self._cv:
+            while True:
+                if self._closed:
+                    return None
+                fits = [r for r in self._queue if worker.role in ("any", r.kind)]
+                if fits:
+                    req = min(fits)
+                    self._queue.remove(req)
+                    return req
+                self._cv.wait()
+
+    def _job(self, req: _Request, index: int) -> dict[str, Any]:
+        cfg = self.config
+        p = req.problem
+        return {
+            "id": f"{index}-{req.sort_key[1]}",
+            "kind": req.kind,
+            "candidate": req.source,
+            "problem": {
+                "name": p.name,
+                "source": p.source,
+                "atol": p.atol,
+                "rtol": p.rtol,
+                "forbidden_ops": list(p.forbidden_ops) if p.forbidden_ops is not None else None,
+                "seed": cfg.seed,
+            },
+            "trials": cfg.trials,
+            "rounds": cfg.rounds,
+            "round_s": cfg.round_s,
+            "device": cfg.device,
+            "limits": {
+                "timeout_s": cfg.timeout_s,
+                "cpu_s": cfg.cpu_s or int(cfg.timeout_s) + 5,
+                "memory_bytes": cfg.memory_bytes,
+                "file_bytes": cfg.file_bytes,
+                "isolate_network": cfg.isolate_network,
+                "drop_privileges": cfg.drop_privileges,
+                "build_dir": str(self.build_dir),
+                "core": self._cores[index % len(self._cores)] if cfg.pin_cores else None,
+            },
+        }
+
+    # -- public --------------------------------------------------------------------------------------------
+    def submit(
+        self, problem: Problem | str, source: str, *, kind: Kind = "validate", priority: int = 0
+    ) -> Future[Result]:
+        """Queue one request; the future resolves to its Result (never raises for a bad candidate)."""
+        if kind not in ("validate", "profile"):
+            raise ValueError(f"kind must be 'validate' or 'profile', got {kind!r}")
+        prob = load_problem(problem) if isinstance(problem, str) else problem
+        fut: Future[Result] = Future()
+        if self.config.static_checks:
+            findings = static_check(source)
+            if findings:
+                reason = "static check: " + "; ".join(map(str, findings[:5]))
+                fut.set_result(Result(verdict="rejected", reason=reason, kind=kind, problem=prob.name))
+                return fut
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the pool is closed")
+            self._queue.append(_Request((-priority, next(self._seq)), kind, prob, source, fut))
+            self._cv.notify_all()
+        return fut
+
+    def evaluate(self, problem: Problem | str, source: str, *, priority: int = 0) -> Result:
+        """Validate, then (if correct) profile; the profile's result carries the validation's max diff."""
+        val = self.submit(problem, source, kind="validate", priority=priority).result()
+        if val.verdict != "correct":
+            return val
+        prof = self.submit(problem, source, kind="profile", priority=priority).result()
+        if prof.verdict == "correct":
+            prof.max_abs_diff = val.max_abs_diff
+        return prof
+
+    @property
+    def roles(self) -> list[str]:
+        return [w.role for w in self.workers]
+
+    def set_roles(self, roles: list[str] | tuple[str, ...]) -> None:
+        """Change worker roles while running; a busy worker keeps its current job."""
+        if len(roles) != len(self.workers) or any(r not in ("validate", "profile", "any") for r in roles):
+            n = len(self.workers)
+            raise ValueError(f"roles must be {n} of 'validate', 'profile', 'any'; got {roles}")
+        with self._cv:
+            for w, r in zip(self.workers, roles, strict=True):
+                w.role = r
+            self._cv.notify_all()
+
+    def queued(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers if w.proc is not None and w.proc.poll() is None]
+
+    def close(self) -> None:
+        """Stop the workers (after their current job), fail queued requests, remove the scratch folder."""
+        with self._cv:
+            self._closed = True
+            pending, self._queue = self._queue, []
+            self._cv.notify_all()
+        for r in pending:
+            r.future.set_exception(RuntimeError("the pool was closed before this request ran"))
+        for w in self.workers:
+            w.thread.join(timeout=self.config.timeout_s + 10)
+            w.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> EvalPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

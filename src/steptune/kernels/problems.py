@@ -1,0 +1,125 @@
+"""Kernel problems in the KernelBench format, and the built-in CPU set.
+
+A problem is a Python source file defining `class Model(nn.Module)` (the reference), `get_inputs()` (a list of
+CPU tensors, freshly drawn from torch's global RNG) and `get_init_inputs()` (constructor arguments). A
+candidate defines `class ModelNew(nn.Module)` with the same constructor and forward signature. Optional
+module-level constants, read without executing the file:
+
+- `DESCRIPTION`: one line for listings.
+- `ATOL`, `RTOL`: tolerances (default per output dtype, see `tolerance`).
+- `FORBIDDEN_OPS`: aten op names (e.g. `["aten._softmax"]`) a candidate may not dispatch; by default every
+  compute op the reference dispatches (views and allocations excluded) is forbidden, which is what stops a
+  candidate from "optimizing" by calling the reference.
+
+Problems are data: loading one never imports it. The evaluation worker imports it in its sandbox.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["Problem", "builtin_problems", "import_source", "load_problem", "tolerance"]
+
+BUILTIN_DIR = Path(__file__).with_name("builtin_problems")
+
+# fp32 1e-4 and fp16/bf16 1e-2 follow KernelBench's get_tolerance_for_precision.
+_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-7, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Default atol = rtol for an output dtype; exact for integer and bool outputs."""
+    return _TOLERANCE.get(dtype, 0.0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Problem:
+    """A reference to optimize: its source and the constants read from it."""
+
+    name: str
+    """Built-in name, or the file's stem."""
+    source: str
+    """The whole Python source (sent to the sandboxed worker, never imported by the caller)."""
+    path: str | None = None
+    """The file it came from, when it came from one."""
+    description: str = ""
+    atol: float | None = None
+    """Absolute tolerance; None means the per-dtype default."""
+    rtol: float | None = None
+    forbidden_ops: tuple[str, ...] | None = None
+    """aten ops a candidate may not call; None means the reference's own compute ops."""
+
+
+def builtin_problems() -> list[str]:
+    """Names of the built-in CPU problems, sorted."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def _constants(tree: ast.Module) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name in ("DESCRIPTION", "ATOL", "RTOL", "FORBIDDEN_OPS"):
+                try:
+                    out[name] = ast.literal_eval(node.value)
+                except ValueError as exc:
+                    raise ValueError(f"{name} must be a literal (it is read without running it)") from exc
+    return out
+
+
+def _parse(name: str, source: str, path: str | None) -> Problem:
+    try:
+        tree = ast.parse(source, filename=path or name)
+    except SyntaxError as exc:
+        raise ValueError(f"problem {name!r} does not parse: {exc}") from exc
+    defined = {n.name for n in tree.body if isinstance(n, ast.ClassDef | ast.FunctionDef)}
+    missing = [s for s in ("Model", "get_inputs", "get_init_inputs") if s not in defined]
+    if missing:
+        raise ValueError(
+            f"problem {name!r} lacks {', '.join(missing)}: a KernelBench-format problem defines "
+            "class Model(nn.Module), get_inputs() and get_init_inputs()"
+        )
+    c = _constants(tree)
+    forbidden = c.get("FORBIDDEN_OPS")
+    return Problem(
+        name=name,
+        source=source,
+        path=path,
+        description=str(c.get("DESCRIPTION", "")),
+        atol=None if c.get("ATOL") is None else float(c["ATOL"]),  # type: ignore[arg-type]
+        rtol=None if c.get("RTOL") is None else float(c["RTOL"]),  # type: ignore[arg-type]
+        forbidden_ops=None if forbidden is None else tuple(str(o) for o in forbidden),  # type: ignore[attr-defined]
+    )
+
+
+def load_problem(name_or_path: str | Path) -> Problem:
+    """A built-in problem by name, or a problem file by path."""
+    text = str(name_or_path)
+    path = Path(text)
+    if path.suffix == ".py" or path.exists():
+        if not path.is_file():
+            raise ValueError(f"problem file {text!r} not found")
+        return _parse(path.stem, path.read_text(), str(path))
+    builtin = BUILTIN_DIR / f"{text}.py"
+    if not builtin.is_file():
+        names = ", ".join(builtin_problems())
+        raise ValueError(f"unknown problem {text!r}: use a .py file or one of {names}")
+    return _parse(text, builtin.read_text(), str(builtin))
+
+
+def import_source(source: str, path: Path, module_name: str) -> ModuleType:
+    """Write `source` to `path` and import it as `module_name` (a real file: triton.jit needs one)."""
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
