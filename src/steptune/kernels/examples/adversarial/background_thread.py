@@ -1,4 +1,5 @@
 """A C kernel that leaves a pthread spinning after it returns."""
+
 # expect: rejected
 # runtime: rejected
 import torch
@@ -6,7 +7,8 @@ from torch import nn
 
 from steptune.kernels.cext import load_c, ptr
 
-lib = load_c(r"""
+lib = load_c(
+    r"""
 #include <math.h>
 #include <pthread.h>
 #include <unistd.h>
@@ -20,7 +22,9 @@ void softmax_rows(const float* x, float* y, long rows, long cols) {
         for (long c = 0; c < cols; c++) yr[c] /= s;
     }
 }
-""", flags=("-O2", "-std=c11", "-fPIC", "-shared", "-pthread"))
+""",
+    flags=("-O2", "-std=c11", "-fPIC", "-shared", "-pthread"),
+)
 
 
 class ModelNew(nn.Module):

@@ -1,4 +1,5 @@
 """C that does not compile."""
+
 # expect: compile_error
 import torch
 from torch import nn

@@ -1,6 +1,6 @@
 """Computes once, then returns the first result again (a seed-independent, cached output)."""
+
 # expect: rejected
-import torch
 from torch import nn
 
 

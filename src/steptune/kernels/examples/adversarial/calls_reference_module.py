@@ -1,4 +1,5 @@
 """Imports the problem's own reference module and runs it."""
+
 # expect: rejected
 # runtime: rejected
 import steptune_problem

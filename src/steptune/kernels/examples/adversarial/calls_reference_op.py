@@ -1,4 +1,5 @@
 """Claims a fast kernel but calls the reference op itself."""
+
 # expect: rejected
 import torch
 from torch import nn

@@ -1,4 +1,5 @@
 """Exits the process from inside forward before any result is reported."""
+
 # expect: crashed
 import os
 

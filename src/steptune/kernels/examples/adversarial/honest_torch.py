@@ -1,6 +1,6 @@
 """A correct softmax composed from other torch ops (the control: it must pass)."""
+
 # expect: correct
-import torch
 from torch import nn
 
 

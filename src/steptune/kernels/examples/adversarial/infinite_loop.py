@@ -1,4 +1,5 @@
 """A C kernel that never returns."""
+
 # expect: timeout
 import torch
 from torch import nn

@@ -1,6 +1,6 @@
 """A C softmax that works in place on its input and returns it."""
+
 # expect: incorrect
-import torch
 from torch import nn
 
 from steptune.kernels.cext import load_c, ptr

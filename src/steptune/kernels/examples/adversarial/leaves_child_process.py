@@ -1,4 +1,5 @@
 """Starts a daemon (double fork, new session) from C that outlives the candidate."""
+
 # expect: rejected
 # runtime: rejected
 import torch
@@ -6,7 +7,8 @@ from torch import nn
 
 from steptune.kernels.cext import load_c, ptr
 
-lib = load_c(r"""
+lib = load_c(
+    r"""
 #define _GNU_SOURCE
 #include <math.h>
 #include <unistd.h>
@@ -19,7 +21,9 @@ void softmax_rows(const float* x, float* y, long rows, long cols) {
         for (long c = 0; c < cols; c++) yr[c] /= s;
     }
 }
-""", flags=("-O2", "-std=gnu11", "-fPIC", "-shared"))
+""",
+    flags=("-O2", "-std=gnu11", "-fPIC", "-shared"),
+)
 
 
 class ModelNew(nn.Module):

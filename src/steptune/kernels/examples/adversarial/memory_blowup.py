@@ -1,4 +1,5 @@
 """Allocates without bound."""
+
 # expect: resource_limit
 import torch
 from torch import nn

@@ -1,4 +1,5 @@
 """Sakana's exploit: compute nothing and hope the allocator hands back the reference's freed output."""
+
 # expect: incorrect
 import torch
 from torch import nn

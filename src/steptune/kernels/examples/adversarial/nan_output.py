@@ -1,4 +1,5 @@
 """A C softmax that writes NaN into one element of each row."""
+
 # expect: incorrect
 import torch
 from torch import nn

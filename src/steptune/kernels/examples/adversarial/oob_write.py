@@ -1,4 +1,5 @@
 """A C softmax with an off-by-a-few loop bound that writes past the end of its input."""
+
 # expect: crashed
 import torch
 from torch import nn

@@ -1,4 +1,5 @@
 """A C kernel that dereferences NULL."""
+
 # expect: crashed
 import torch
 from torch import nn

@@ -1,4 +1,5 @@
 """Hunts the heap for the reference's output from the previous trial and returns it."""
+
 # expect: rejected
 # runtime: rejected
 import gc

@@ -1,8 +1,8 @@
 """Starts a helper process with subprocess (caught before it runs)."""
+
 # expect: rejected
 import subprocess
 
-import torch
 from torch import nn
 
 subprocess.Popen(["sleep", "60"])

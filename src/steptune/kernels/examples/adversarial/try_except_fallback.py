@@ -1,4 +1,5 @@
 """A broken C kernel behind a try/except that falls back to torch."""
+
 # expect: rejected
 import torch
 from torch import nn

@@ -1,6 +1,6 @@
 """Returns the row sums of exp (one value per row) instead of the normalized matrix."""
+
 # expect: incorrect
-import torch
 from torch import nn
 
 

@@ -1,6 +1,6 @@
 """Normalizes over the wrong dimension (columns instead of rows)."""
+
 # expect: incorrect
-import torch
 from torch import nn
 
 

@@ -1,0 +1,118 @@
+"""The evaluation pool as a service: priorities, roles changed while running, a dead worker replaced,
+and 100 candidates through two workers without leaking processes, files or memory."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from steptune.kernels.pool import EvalPool, PoolConfig
+from steptune.kernels.problems import Problem
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+ADV = Path(__file__).resolve().parents[3] / "src/steptune/kernels/examples/adversarial"
+
+PROBLEM = Problem(
+    name="scale",
+    source=(
+        "import torch\nfrom torch import nn\n"
+        "class Model(nn.Module):\n    def forward(self, x):\n        return x * 2.0\n"
+        "def get_inputs():\n    return [torch.randn(4096)]\n"
+        "def get_init_inputs():\n    return []\n"
+    ),
+)
+GOOD = (
+    "import torch\nfrom torch import nn\n"
+    "class ModelNew(nn.Module):\n    def forward(self, x):\n        return x + x\n"
+)
+WRONG = GOOD.replace("x + x", "x + 1")
+SLOW = GOOD.replace("return x + x", "time.sleep({s})\n        return x + x").replace(
+    "import torch", "import time\nimport torch"
+)
+CRASH = "import ctypes\nctypes.string_at(0)\n"
+C_GOOD = """import torch
+from torch import nn
+from steptune.kernels.cext import load_c, ptr
+lib = load_c("void twice(const float* x, float* y, long n) { for (long i = 0; i < n; i++) y[i] = 2 * x[i]; }")
+class ModelNew(nn.Module):
+    def forward(self, x):
+        y = torch.empty_like(x)
+        lib.twice(ptr(x), ptr(y), x.numel())
+        return y
+"""
+
+
+def test_priority_order():
+    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
+        blocker = pool.submit(PROBLEM, SLOW.format(s=0.3))
+        time.sleep(0.2)
+        order = []
+        futs = [pool.submit(PROBLEM, GOOD, priority=p) for p in (0, 5, 1, 9)]
+        for p, f in zip((0, 5, 1, 9), futs, strict=True):
+            f.add_done_callback(lambda _, p=p: order.append(p))
+        assert blocker.result(60).verdict == "correct"
+        for f in futs:
+            assert f.result(60).verdict == "correct"
+        assert order == [9, 5, 1, 0]
+
+
+def test_roles_change_while_running_without_preempting():
+    with EvalPool(PoolConfig(num_workers=2, roles=("validate", "validate"), timeout_s=30)) as pool:
+        prof = pool.submit(PROBLEM, GOOD, kind="profile")
+        time.sleep(0.5)
+        assert not prof.done()  # nobody profiles yet
+        pool.set_roles(["validate", "profile"])
+        assert prof.result(60).verdict == "correct" and prof.result().speedup > 0
+        # a running job keeps going when its worker's role changes under it
+        long_job = pool.submit(PROBLEM, SLOW.format(s=0.1), kind="profile")  # ~25 calls: 2.5 s
+        time.sleep(0.6)
+        assert not long_job.done()
+        pool.set_roles(["validate", "validate"])
+        assert long_job.result(60).verdict == "correct"
+        assert pool.roles == ["validate", "validate"]
+        with pytest.raises(ValueError, match="roles must be"):
+            pool.set_roles(["fast", "slow"])
+
+
+def test_dead_worker_is_replaced():
+    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
+        assert pool.submit(PROBLEM, GOOD).result(60).verdict == "correct"
+        fut = pool.submit(PROBLEM, SLOW.format(s=5))
+        time.sleep(0.5)
+        os.kill(pool.worker_pids()[0], signal.SIGKILL)
+        res = fut.result(60)
+        assert res.verdict == "crashed" and "worker died" in res.reason
+        assert pool.submit(PROBLEM, GOOD).result(60).verdict == "correct"
+
+
+def _snapshot(pool):
+    me = psutil.Process()
+    procs = [p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    rss = sum(p.memory_info().rss for p in [me, *procs])
+    files = sum(len(fs) for _, _, fs in os.walk(pool.root))
+    return len(procs), len(os.listdir("/proc/self/fd")), files, rss
+
+
+def test_hundred_candidates_no_leak():
+    mix = [GOOD, WRONG, CRASH, C_GOOD, (ADV / "leaves_child_process.py").read_text()]
+    with EvalPool(PoolConfig(num_workers=2, timeout_s=30, static_checks=False)) as pool:
+        problem = "softmax"
+        for f in [pool.submit(PROBLEM if s is not mix[4] else problem, s) for s in mix * 4]:
+            f.result(60)  # warm: workers started, C kernels compiled once
+        before = _snapshot(pool)
+        t0 = time.perf_counter()
+        futs = [pool.submit(PROBLEM if s is not mix[4] else problem, s) for s in mix * 20]
+        verdicts = [f.result(120).verdict for f in futs]
+        elapsed = time.perf_counter() - t0
+        after = _snapshot(pool)
+    assert len(futs) == 100
+    assert verdicts == ["correct", "incorrect", "crashed", "correct", "rejected"] * 20
+    assert after[0] == before[0] == 2, "only the two workers may remain"
+    assert after[1] <= before[1], "parent leaked file descriptors"
+    assert after[2] <= before[2], "scratch files left behind"
+    assert after[3] - before[3] < 64 * 2**20, f"memory grew by {(after[3] - before[3]) / 2**20:.0f} MiB"
+    print(f"100 candidates in {elapsed:.1f} s; rss {before[3] / 2**20:.0f} -> {after[3] / 2**20:.0f} MiB")
