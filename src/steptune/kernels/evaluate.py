@@ -222,7 +222,8 @@ def _validate(
                     raise _Verdict("rejected", f"output {k} is the reference's output from an earlier trial")
                 if ptr in cand_ptrs:
                     raise _Verdict(
-                        "rejected", f"output {k} is its own output from an earlier trial (outputs must be fresh)"
+                        "rejected",
+                        f"output {k} is its own output from an earlier trial (outputs must be fresh)",
                     )
                 if c.shape != r.shape:
                     raise _Verdict(

@@ -34,7 +34,15 @@ def pools():
 def test_suite_is_big_enough():
     assert len(CASES) >= 13
     verdicts = {_expect(p, "expect") for p in CASES}
-    assert {"incorrect", "rejected", "crashed", "timeout", "compile_error", "resource_limit", "correct"} <= verdicts
+    assert {
+        "incorrect",
+        "rejected",
+        "crashed",
+        "timeout",
+        "compile_error",
+        "resource_limit",
+        "correct",
+    } <= verdicts
 
 
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
