@@ -115,6 +115,10 @@ class _Worker:
 
     def _start(self) -> subprocess.Popen[str]:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        if self.pool.config.device == "cpu":
+            # Triton on CPU tensors runs under its interpreter. It must be set before triton is imported,
+            # and the worker imports it (through torch._dynamo) before any candidate runs.
+            env["TRITON_INTERPRET"] = "1"
         src = str(Path(__file__).resolve().parents[2])  # so a source-tree run (PYTHONPATH=src) works too
         env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         proc = subprocess.Popen(
