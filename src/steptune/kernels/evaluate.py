@@ -307,8 +307,12 @@ def _profile(prob: Any, ref: Any, new: Any, job: dict[str, Any], device: str) ->
             n_warm += 1
         if device == "cuda":
             torch.cuda.synchronize()
-        per_call = max(_time_cpu(f_ref, 3), _time_cpu(f_new, 3), 1e-7)
-        n = max(1, min(10_000, math.ceil(round_s / per_call)))
+        if flush is not None:  # each timed GPU call is synchronized and preceded by an L2 flush
+            per_call = max(_time_cuda(f_ref, 3, flush), _time_cuda(f_new, 3, flush), 1e-7)
+            n = max(1, min(100, math.ceil(round_s / per_call)))
+        else:
+            per_call = max(_time_cpu(f_ref, 3), _time_cpu(f_new, 3), 1e-7)
+            n = max(1, min(10_000, math.ceil(round_s / per_call)))
         t_ref, t_new, ratios = [], [], []
         for r in range(rounds):
             order = [("ref", f_ref), ("new", f_new)] if r % 2 == 0 else [("new", f_new), ("ref", f_ref)]

@@ -128,7 +128,13 @@ def _sandbox_child(job: dict[str, Any], workdir: Path) -> None:
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = sys.stdout
         lim = job["limits"]
-        os.environ.update(TMPDIR=str(workdir), HOME=str(workdir), STEPTUNE_KERNELS_BUILD=lim["build_dir"])
+        os.environ.update(
+            TMPDIR=str(workdir),
+            HOME=str(workdir),
+            STEPTUNE_KERNELS_BUILD=lim["build_dir"],
+            # load_inline builds are cached per pool, so a profile run reuses its validation's build
+            TORCH_EXTENSIONS_DIR=os.path.join(lim["build_dir"], "torch_extensions"),
+        )
         if lim.get("core") is not None:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, {int(lim["core"])})

@@ -1,0 +1,145 @@
+"""SpecGen part 1 on one GPU: the evaluation pool validating and profiling CUDA and Triton candidates.
+
+Under 5 minutes on one H200 (most of it is nvcc building the load_inline candidate). What it measures:
+- verdicts of device-agnostic adversarial candidates on CUDA tensors (wrong values, wrong shape, cached and
+  stale outputs, the reference op, Sakana's memory-reuse exploit against the CUDA caching allocator, early
+  exit), plus a Triton kernel that stores to an illegal address (it must kill only its own child process);
+- correct Triton (row softmax) and CUDA load_inline (ReLU) candidates: speedup over the torch reference,
+  `--repeats` profiles each, timed with CUDA events and a 256 MB L2 flush per call, one profiling worker.
+``--dry-run`` runs the same code on CPU with C candidates instead of CUDA/Triton ones (for the tests).
+
+    PYTHONPATH=src python benchmarks/gpu/kernels.py --json $OUT/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steptune.kernels.pool import EvalPool, PoolConfig
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "steptune" / "kernels" / "examples"
+ADVERSARIAL = [
+    "wrong_values",
+    "wrong_shape",
+    "cached_output",
+    "memory_reuse",
+    "calls_reference_op",
+    "stale_reference",
+    "try_except_fallback",
+    "syntax_error",
+    "exits_early",
+    "honest_torch",
+]
+
+
+def _expect(source: str) -> str | None:
+    m = re.search(r"^# expect: (\w+)$", source, re.M)
+    return m.group(1) if m else None
+
+
+def _illegal_triton() -> str:
+    src = (EXAMPLES / "softmax" / "triton_kernel.py").read_text()
+    bad = src.replace(
+        "tl.store(y_ptr + row * cols + offs,", "tl.store(y_ptr + row * cols + offs + (1 << 40),"
+    )
+    assert bad != src
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dry-run", action="store_true", help="CPU with C candidates (for the tests)")
+    parser.add_argument("--repeats", type=int, default=5, help="profiles per correct candidate")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run on CPU", file=sys.stderr)
+        return 2
+    device = "cpu" if args.dry_run else "cuda"
+    t0 = time.perf_counter()
+    cases: list[tuple[str, str, str, str]] = []  # (name, problem, source, expected verdict)
+    for name in ADVERSARIAL:
+        src = (EXAMPLES / "adversarial" / f"{name}.py").read_text()
+        cases.append((f"adversarial/{name}", "softmax", src, _expect(src) or "?"))
+    if args.dry_run:
+        fast = [("softmax/c_fast", "softmax"), ("relu/c_fast", "relu")]
+        fast = [(n, p) for n, p in fast if (EXAMPLES / f"{n}.py").is_file()]
+        cases.append(
+            ("adversarial/segfault", "softmax", (EXAMPLES / "adversarial/segfault.py").read_text(), "crashed")
+        )
+    else:
+        fast = [("softmax/triton_kernel", "softmax"), ("relu/cuda_inline", "relu")]
+        cases.append(("triton_illegal_address", "softmax", _illegal_triton(), "crashed"))
+    for name, problem in fast:
+        cases.append((name, problem, (EXAMPLES / f"{name}.py").read_text(), "correct"))
+
+    config = PoolConfig(num_workers=2, timeout_s=60 if args.dry_run else 300, device=device, rounds=15)
+    verdicts: list[dict[str, Any]] = []
+    profiles: dict[str, Any] = {}
+    with EvalPool(config) as pool:
+        futs = [(n, p, e, pool.submit(p, s, kind="validate")) for n, p, s, e in cases]
+        for name, problem, expect, fut in futs:
+            r = fut.result()
+            verdicts.append(
+                {
+                    "candidate": name,
+                    "problem": problem,
+                    "expect": expect,
+                    "verdict": r.verdict,
+                    "ok": r.verdict == expect,
+                    "reason": r.reason[:300],
+                    "wall_s": r.wall_s,
+                    "compile_s": r.compile_s,
+                }
+            )
+            print(f"{name:36s} {r.verdict:14s} (expected {expect}) {r.reason[:90]!r}", flush=True)
+        pool.set_roles(["profile", "validate"])  # one profiler: timing runs never share the device
+        correct = {
+            n: (p, s)
+            for n, p, s, _ in cases
+            if any(v["candidate"] == n and v["verdict"] == "correct" for v in verdicts)
+        }
+        for name, (problem, src) in correct.items():
+            runs = [pool.submit(problem, src, kind="profile").result() for _ in range(args.repeats)]
+            ok = [r for r in runs if r.verdict == "correct" and r.speedup is not None]
+            profiles[name] = {
+                "problem": problem,
+                "speedups": [round(float(r.speedup), 4) for r in ok],  # type: ignore[arg-type]
+                "median_speedup": statistics.median(float(r.speedup) for r in ok) if ok else None,  # type: ignore[arg-type]
+                "ref_time_s": statistics.median(float(r.ref_time_s) for r in ok) if ok else None,  # type: ignore[arg-type]
+                "candidate_time_s": statistics.median(float(r.candidate_time_s) for r in ok) if ok else None,  # type: ignore[arg-type]
+                "failed": [f"{r.verdict}: {r.reason[:200]}" for r in runs if r not in ok],
+            }
+            print(f"profile {name:28s} speedups {profiles[name]['speedups']}", flush=True)
+    out = {
+        "dry_run": args.dry_run,
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "verdicts": verdicts,
+        "all_expected": all(v["ok"] for v in verdicts),
+        "profiles": profiles,
+        "wall_s": time.perf_counter() - t0,
+    }
+    print(f"all verdicts as expected: {out['all_expected']}; {out['wall_s']:.0f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
