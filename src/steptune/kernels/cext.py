@@ -22,7 +22,9 @@ import torch
 
 __all__ = ["DEFAULT_CFLAGS", "CompileError", "compiler", "load_c", "ptr"]
 
-DEFAULT_CFLAGS: tuple[str, ...] = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared")
+# gnu11, not c11: strict ISO mode turns off FMA contraction. No -ffast-math: it would set flush-to-zero for
+# the whole process on load (the evaluator rejects candidates that change the floating-point mode).
+DEFAULT_CFLAGS: tuple[str, ...] = ("-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared")
 
 _CTYPES = {
     torch.float32: ctypes.c_float,

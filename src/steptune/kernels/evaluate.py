@@ -7,7 +7,8 @@ it) gives the verdict from the exit status.
 
 Validation (KernelBench's protocol, hardened): the reference and the candidate are built from the same seed;
 for each trial, fresh seeded inputs; the candidate runs FIRST, on its own copies placed between guard bytes,
-under an op recorder; then the reference runs on separate copies. Checked: output count, shape, dtype, NaN,
+under an op recorder; then the reference runs on separate copies. Checked: the floating-point mode
+unchanged (no process-wide flush-to-zero from -ffast-math), output count, shape, dtype, NaN,
 allclose at the problem's tolerance, inputs unmutated (bitwise), guard bytes intact (out-of-bounds writes),
 output storage not an earlier output of either side (stale or stolen results), no threads left, and the
 reference's op sequence not replayed by the candidate (a subsequence test over aten ops, plus the
@@ -22,6 +23,7 @@ events per call with a 256 MB L2 flush between calls, as KernelBench does.
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import os
 import statistics
@@ -63,6 +65,50 @@ class _OpRecorder(TorchDispatchMode):
         if name not in _NON_COMPUTE:
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
+
+
+class _FPMode:
+    """The x87 control word and the SSE control bits (MXCSR without its sticky exception flags), read with
+    glibc's fegetenv. A library built with -ffast-math sets flush-to-zero and denormals-are-zero for the
+    whole process when it is loaded (gcc links crtfastmath.o into it), which would change the reference's
+    numerics too; a candidate that changes the mode is rejected and the mode restored. x86-64 glibc only."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import platform
+
+        self._libm: Any = None
+        if platform.machine() in ("x86_64", "AMD64"):
+            with contextlib.suppress(OSError):
+                self._libm = ctypes.CDLL("libm.so.6")
+        self._buf = self._raw()
+
+    def _raw(self) -> bytes | None:
+        if self._libm is None:
+            return None
+        import ctypes
+
+        buf = ctypes.create_string_buffer(64)
+        return buf.raw if self._libm.fegetenv(buf) == 0 else None
+
+    @staticmethod
+    def _control(raw: bytes) -> tuple[int, int]:
+        return int.from_bytes(raw[0:2], "little"), int.from_bytes(raw[28:32], "little") & ~0x3F
+
+    def check_and_restore(self, when: str) -> None:
+        now = self._raw()
+        if self._buf is None or now is None or self._control(now) == self._control(self._buf):
+            return
+        import ctypes
+
+        self._libm.fesetenv(ctypes.create_string_buffer(self._buf, 64))
+        cw, mx = self._control(now)
+        raise _Verdict(
+            "rejected",
+            f"{when} changed the process's floating-point mode (x87 {cw:#x}, MXCSR {mx:#x}; flush-to-zero or "
+            "rounding), which changes every other kernel's results: build without -ffast-math/-Ofast "
+            "(use -fno-math-errno, -ffinite-math-only, -fassociative-math ... instead)",
+        )
 
 
 class _Verdict(Exception):
@@ -108,7 +154,7 @@ def _to(x: Any, device: str) -> Any:
 
 
 def _build(
-    problem: dict[str, Any], candidate: str, workdir: Path, device: str
+    problem: dict[str, Any], candidate: str, workdir: Path, device: str, fp_mode: _FPMode
 ) -> tuple[Any, Any, Any, float]:
     prob = import_source(problem["source"], workdir / "problem.py", "steptune_problem")
     t0 = time.perf_counter()
@@ -123,6 +169,7 @@ def _build(
         kind = "the C compiler failed" if log else f"importing the candidate raised {type(exc).__name__}"
         raise _Verdict("compile_error", f"{kind}: {str(exc)[-1500:]}") from exc
     compile_s = time.perf_counter() - t0
+    fp_mode.check_and_restore("importing the candidate")
     if not hasattr(cand, "ModelNew"):
         raise _Verdict("compile_error", "the candidate defines no ModelNew class")
     seed = int(problem.get("seed", 0))
@@ -152,7 +199,7 @@ def _call(fn: Callable[..., Any], args: list[Any], what: str) -> Any:
 
 
 def _validate(
-    prob: Any, ref: Any, new: Any, problem: dict[str, Any], trials: int, device: str
+    prob: Any, ref: Any, new: Any, problem: dict[str, Any], trials: int, device: str, fp_mode: _FPMode
 ) -> dict[str, Any]:
     seed = int(problem.get("seed", 0))
     forbidden = problem.get("forbidden_ops")
@@ -183,6 +230,7 @@ def _validate(
             rec = _OpRecorder()
             with rec:
                 out_c = _call(new, cand_in, "the candidate")
+            fp_mode.check_and_restore("the candidate")
             if device == "cuda":
                 torch.cuda.synchronize()
             for i, buf in guards:
@@ -355,10 +403,11 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     out: dict[str, Any] = {"kind": job["kind"]}
     try:
-        prob, ref, new, compile_s = _build(job["problem"], job["candidate"], workdir, device)
+        fp_mode = _FPMode()
+        prob, ref, new, compile_s = _build(job["problem"], job["candidate"], workdir, device, fp_mode)
         out["compile_s"] = compile_s
         trials = int(job.get("trials", 5)) if job["kind"] == "validate" else 1
-        out.update(_validate(prob, ref, new, job["problem"], trials, device))
+        out.update(_validate(prob, ref, new, job["problem"], trials, device, fp_mode))
         out.update(verdict="correct", reason="")
         if job["kind"] == "profile" and interpreted:
             out["reason"] = "not timed: the Triton interpreter checks correctness only"

@@ -7,9 +7,11 @@ module-level constants, read without executing the file:
 
 - `DESCRIPTION`: one line for listings.
 - `ATOL`, `RTOL`: tolerances (default per output dtype, see `tolerance`).
-- `FORBIDDEN_OPS`: aten op names (e.g. `["aten._softmax"]`) a candidate may not dispatch; by default every
-  compute op the reference dispatches (views and allocations excluded) is forbidden, which is what stops a
-  candidate from "optimizing" by calling the reference.
+- `FORBIDDEN_OPS`: aten op names (e.g. `["aten.mm", "aten.addmm"]`) a candidate may not dispatch. Without
+  it, a candidate is rejected when the reference's whole sequence of compute ops (views and allocations
+  excluded) appears, in order, among the ops it dispatches: that is what stops "optimizing" by calling the
+  reference, while a torch candidate composing other ops stays legal. With it, only the list applies, so
+  include the reference's own ops in it.
 
 Problems are data: loading one never imports it. The evaluation worker imports it in its sandbox.
 """

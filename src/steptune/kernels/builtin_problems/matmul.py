@@ -1,0 +1,34 @@
+import torch
+from torch import nn
+
+DESCRIPTION = "Square matmul, (512, 512) @ (512, 512) fp32"
+
+# The reference's ops and every BLAS entry point, since otherwise torch.bmm, addmm or einsum would
+# pass for a new kernel while calling the same library GEMM.
+FORBIDDEN_OPS = [
+    "aten.mm",
+    "aten.bmm",
+    "aten.addmm",
+    "aten.baddbmm",
+    "aten.addbmm",
+    "aten._addmm_activation",
+    "aten.mv",
+    "aten.addmv",
+    "aten.dot",
+    "aten.vdot",
+]
+
+N = 512
+
+
+class Model(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(a, b)
+
+
+def get_inputs() -> list[torch.Tensor]:
+    return [torch.randn(N, N), torch.randn(N, N)]
+
+
+def get_init_inputs() -> list:
+    return []
