@@ -14,6 +14,7 @@ def run_demo(out_dir: Path) -> Path:
     from rich.console import Console
 
     from steptune.core.demo import run_core_demo
+    from steptune.kernels.demo import run_kernels_demo
     from steptune.memory.demo import run_memory_demo
     from steptune.pipeline.demo import run_pipeline_demo
     from steptune.resilience.demo import run_resilience_demo
@@ -24,6 +25,7 @@ def run_demo(out_dir: Path) -> Path:
         ("core", run_core_demo),
         ("memory", run_memory_demo),
         ("pipeline", run_pipeline_demo),
+        ("kernels", run_kernels_demo),
         ("resilience", run_resilience_demo),
     ]
     sections = ["# steptune demo", "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}.", ""]

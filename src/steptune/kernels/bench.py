@@ -92,9 +92,9 @@ def bench_table(report: dict[str, Any]) -> Any:
     from steptune.core.report import Table
 
     t = Table(
-        f"C candidates vs torch reference, speedup over {report['repeats']} profiles each "
-        "(median [min, max]; 1 thread, pinned)",
-        ["problem", "reference", "fast: speedup", "slow: speedup", "separated"],
+        title=f"C candidates vs torch reference, speedup over {report['repeats']} profiles each "
+        "(median, then min to max; 1 thread, pinned)",
+        columns=["problem", "reference", "fast: speedup", "slow: speedup", "separated"],
     )
     for r in report["rows"]:
         f, s = r["c_fast"], r["c_slow"]

@@ -94,14 +94,14 @@ def _bench(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     with console.status("profiling ...") as status:
         report = run_bench(repeats=args.repeats, problems=args.problems or None, progress=status.update)
+    if args.json:  # first: nothing measured is lost if printing fails
+        print(f"wrote: {write_json(report, args.json)}")
     bench_table(report).print()
     n, fast, sep = len(report["rows"]), report["problems_fast"], report["problems_separated"]
     print(
         f"{fast} of {n} problems: the fast C kernel beat the reference in every profile; "
         f"{sep} separate fast from slow in all {args.repeats} repeats"
     )
-    if args.json:
-        print(f"wrote: {write_json(report, args.json)}")
     return 0
 
 

@@ -1,0 +1,52 @@
+"""`steptune kernels` end to end: eval's printout, JSON and exit status; one replayed LLM iteration whose
+drafts are evaluated while the stream still runs."""
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steptune.kernels.demo import _iteration
+from steptune.kernels.pool import EvalPool, PoolConfig
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "src/steptune/kernels/examples"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "steptune", "kernels", *args], capture_output=True, text=True, timeout=200
+    )
+
+
+def test_eval_prints_verdict_and_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _cli(
+        "eval", "--problem", "rmsnorm", "--candidate", str(EXAMPLES / "rmsnorm/c_fast.py"), "--json", str(out)
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "verdict    correct" in proc.stdout and "speedup" in proc.stdout
+    res = json.loads(out.read_text())
+    assert {"verdict", "reason", "speedup", "ref_time_s", "candidate_time_s"} <= set(res)
+    assert res["verdict"] == "correct" and res["speedup"] > 1.0
+    bad = _cli("eval", "--problem", "softmax", "--candidate", str(EXAMPLES / "adversarial/wrong_shape.py"))
+    assert bad.returncode == 1 and "verdict    incorrect" in bad.stdout and "shape" in bad.stdout
+    missing = _cli("eval", "--problem", "nope", "--candidate", str(EXAMPLES / "rmsnorm/c_fast.py"))
+    assert missing.returncode == 2 and "unknown problem 'nope'" in missing.stderr
+    listing = _cli("problems")
+    assert listing.returncode == 0 and "softmax" in listing.stdout and "rmsnorm" in listing.stdout
+
+
+def test_replayed_llm_iteration_feeds_the_pool(tmp_path):
+    with EvalPool(PoolConfig(num_workers=2, timeout_s=30)) as pool:
+        rows = asyncio.run(_iteration(pool, tmp_path))
+    origins = [r["origin"] for r in rows]
+    assert origins == ["draft in reasoning", "fork from reasoning prefix", "final answer"]
+    assert all(r["verdict"] == "correct" for r in rows)
+    assert rows[0]["submitted_at_s"] < rows[0]["stream_s"] - 0.5  # evaluated while the stream still ran
+    assert rows[2]["speedup"] > 1.0 > rows[0]["speedup"]  # final C kernel fast, first draft slow
+    assert (tmp_path / "recorded_trace.jsonl").stat().st_size > 0
