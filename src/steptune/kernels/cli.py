@@ -139,6 +139,12 @@ def register(sub: Any) -> None:
         "bench",
         help="profile the fast and slow C examples repeatedly: does profiling tell them apart?",
     )
+    be.add_argument(
+        "--lane",
+        default="examples",
+        choices=("examples",),
+        help="examples: fast and slow C examples profiled repeatedly (the policy lanes come with issue #12)",
+    )
     be.add_argument("--repeats", type=int, default=10, help="profiles per candidate (default: 10)")
     be.add_argument(
         "--problems", nargs="*", default=None, help="subset of problems (default: all with examples)"
