@@ -35,6 +35,7 @@ def test_unbuilt_area_says_so_and_fails(area, capsys):
     assert "not built yet" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(360)
 def test_demo_writes_report(tmp_path):
     assert main(["demo", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()
@@ -50,6 +51,8 @@ def test_demo_writes_report(tmp_path):
         assert (tmp_path / "pipeline" / name).stat().st_size > 0
     assert "Detectors on 8 simulated runs" in report
     assert (tmp_path / "resilience" / "false_alarms.png").stat().st_size > 0
+    assert "Adversarial candidates (softmax): verdicts" in report
+    assert (tmp_path / "kernels" / "kernels_demo.json").stat().st_size > 0
 
 
 def test_python_dash_m_entry():

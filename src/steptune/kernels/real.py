@@ -1,0 +1,128 @@
+"""The real services behind the search loop: an OpenAI-compatible server and the sandboxed pool.
+
+Contract: `RealLLM` implements `agent.LLMService` over `llm.LLMClient` (a vLLM/SGLang server, or the
+trace-replay server); `RealEval` implements `agent.EvalService` over `pool.EvalPool`. Prompts are rendered
+here: the problem's source, the instructions (KernelBench's "ModelNew" convention, C via
+`steptune.kernels.cext` on CPU), and from the second iteration on the feedback so far (verdicts, reasons,
+speedups, best). Forks are raw completions on the client-rendered chat prefix + the reasoning so far + a
+closing think tag and an opening code fence (the Dynasor-style fork; see specgen.md section 3).
+`RealEval.busy_seconds` counts finished requests' worker time (a request in flight counts when it ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from steptune.kernels.agent import Candidate, Delta, EvalOutcome, Prompt
+from steptune.kernels.pool import EvalPool
+from steptune.kernels.problems import Problem
+
+__all__ = ["RealEval", "RealLLM", "render_messages"]
+
+_INSTRUCTIONS = (
+    "You write faster kernels. Below is a PyTorch reference `Model` in the KernelBench format. Write "
+    "`class ModelNew(nn.Module)` with the same constructor and forward signature that computes the same "
+    "outputs faster. On CPU, C kernels compiled with `from steptune.kernels.cext import load_c, ptr` are "
+    "welcome. Do not call the reference op, do not use try/except fallbacks, threads or processes. Answer "
+    "with one ```python code block and no test code."
+)
+
+
+def render_messages(problem: Problem, prompt: Prompt) -> list[dict[str, str]]:
+    """The chat for one iteration: the problem, then what earlier candidates got."""
+    text = f"{_INSTRUCTIONS}\n\n```python\n{problem.source.strip()}\n```\n"
+    if prompt.feedback:
+        lines = []
+        for fb in prompt.feedback[-12:]:
+            what = f"{fb.verdict}"
+            if fb.speedup is not None:
+                what += f", {fb.speedup:.2f}x the reference"
+            if fb.reason:
+                what += f" ({fb.reason.splitlines()[0][:160]})"
+            lines.append(
+                f"- candidate from {fb.candidate.origin} (iteration {fb.candidate.iteration}): {what}"
+            )
+        best = f"{prompt.best_speedup:.2f}x" if prompt.best_speedup else "none correct yet"
+        text += "\nResults so far (best: " + best + "):\n" + "\n".join(lines) + "\nImprove on the best.\n"
+    return [{"role": "user", "content": text}]
+
+
+class _Gen:
+    def __init__(self, stream: Any) -> None:
+        self._s = stream
+        self.reasoning = ""
+        self.content = ""
+        self.tokens = 0
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self._s.aborted)
+
+    def __aiter__(self) -> _Gen:
+        self._it = self._s.__aiter__()
+        return self
+
+    async def __anext__(self) -> Delta:
+        chunk = await self._it.__anext__()
+        n = len(chunk.token_ids) or max(1, len(chunk.text) // 4)
+        if chunk.kind == "reasoning":
+            self.reasoning += chunk.text
+        else:
+            self.content += chunk.text
+        self.tokens += n
+        return Delta(chunk.kind, chunk.text, n)
+
+    async def aclose(self) -> None:
+        await self._s.aclose()
+
+
+class RealLLM:
+    """`agent.LLMService` over an OpenAI-compatible server (use inside `async with client`)."""
+
+    def __init__(self, client: Any, problem: Problem, *, fork_max_tokens: int = 4096) -> None:
+        self.client, self.problem, self.fork_max_tokens = client, problem, fork_max_tokens
+        self._rendered: dict[str, str] = {}
+
+    async def reason(self, prompt: Prompt, stream_id: str) -> _Gen:
+        messages = render_messages(self.problem, prompt)
+        toks = await self.client.tokenize(messages=messages, return_token_strs=True)
+        self._rendered[stream_id] = "".join(toks.token_strs or [])
+        params: dict[str, Any] = {"metadata": {"problem_id": self.problem.name}}
+        return _Gen(await self.client.stream_chat(messages, **params))
+
+    async def fork(self, prompt: Prompt, stream_id: str, reasoning_prefix: str, prefix_tokens: int) -> _Gen:
+        prefix = self._rendered.get(stream_id, "") + reasoning_prefix
+        return _Gen(await self.client.fork(prefix, max_tokens=self.fork_max_tokens))
+
+
+class RealEval:
+    """`agent.EvalService` over the sandboxed pool."""
+
+    def __init__(self, pool: EvalPool, problem: Problem) -> None:
+        self.pool, self.problem = pool, problem
+        self.num_workers = pool.config.num_workers
+        self._busy = 0.0
+        self.results: list[tuple[Candidate, str, Any]] = []
+
+    def submit(self, candidate: Candidate, kind: str, priority: int) -> asyncio.Future[EvalOutcome]:
+        loop = asyncio.get_running_loop()
+        out: asyncio.Future[EvalOutcome] = loop.create_future()
+        fut = self.pool.submit(self.problem, candidate.code, kind=kind, priority=priority)  # type: ignore[arg-type]
+
+        def done(_: Any) -> None:
+            res = fut.result()
+            self._busy += float(res.wall_s or 0.0)
+            self.results.append((candidate, kind, res))
+            outcome = EvalOutcome(res.verdict, res.speedup, res.reason, float(res.wall_s or 0.0))
+            if not out.done():
+                out.set_result(outcome)
+
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
+        return out
+
+    def set_roles(self, roles: list[str]) -> None:
+        self.pool.set_roles(roles)
+
+    def busy_seconds(self) -> float:
+        return self._busy

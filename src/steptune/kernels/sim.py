@@ -1,0 +1,350 @@
+"""Simulated LLM and evaluation services on the virtual clock (SIMULATED; assumptions in docs/kernels.md).
+
+Contract: `SimLLM` and `SimEval` implement `agent.LLMService` and `agent.EvalService` as coroutines that
+sleep on the running loop's clock, so the orchestrator cannot tell them from the real ones; run them on
+`clock.VirtualTimeLoop`. Everything random comes from the `random.Random` passed in, so a seed fixes a run.
+
+What is modelled (each number is a field of `SimConfig` or `QualityConfig`, written down as an assumption):
+- a reasoning generation is a synthetic trace (`llm.trace.synth_trace`: plan paragraphs, reflection cues,
+  fenced code drafts) of lognormal length, decoded at `decode_tps` per stream (the serving engine is assumed
+  not saturated: concurrent streams do not slow each other); its prefill is charged through the KV tier;
+- a fork pays prefill of prompt + reasoning prefix through the KV tier, then decodes `fork_tokens`;
+- candidate quality (synthetic): valid with a probability rising with the progress of the reasoning it came
+  from; log-speedup normal, its mean rising with the search's profiled feedback count (the premise of
+  feedback-driven agents) and lower for early forks; past a per-trace "settle" point every fork returns the
+  trace's final answer (so they deduplicate);
+- evaluation GPUs: validation lognormal (`validate_s`), up to `validate_slots` at once per validation GPU;
+  profiling lognormal (`profile_s`), one at a time, never sharing a GPU with validation; a worker switches
+  role only when idle (timing runs are never preempted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+
+from steptune.kernels.agent import Candidate, Delta, EvalOutcome, Prompt
+from steptune.kernels.kvtier import KVTier
+from steptune.kernels.llm._tokens import split_tokens
+from steptune.kernels.llm.trace import synth_trace
+
+__all__ = ["QualityConfig", "SimConfig", "SimEval", "SimLLM", "sim_code", "sim_quality"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimConfig:
+    """Service times of an H200-class deployment (assumptions, see docs/kernels.md)."""
+
+    decode_tps: float = 40.0
+    """Decode tokens/s per stream of a large reasoning MoE (GLM-5 / DeepSeek-V4 class) on H200s."""
+    ttft_s: float = 0.5
+    """Scheduling latency before the first token, besides prefill."""
+    reasoning_tokens: float = 12_000
+    """Median reasoning length of one generation (lognormal)."""
+    reasoning_sigma: float = 0.35
+    prompt_tokens: int = 3_000
+    """Problem statement, instructions and examples."""
+    feedback_tokens: int = 400
+    """Prompt tokens added per feedback item (errors, timings) in later iterations."""
+    fork_tokens: int = 1_200
+    """Tokens a fork writes (one kernel)."""
+    chunk_tokens: int = 64
+    """Tokens per streamed delta (event granularity of the simulation)."""
+    validate_s: float = 25.0
+    """Median validation time: compile (nvcc / Triton JIT) plus correctness trials."""
+    validate_sigma: float = 0.3
+    profile_s: float = 40.0
+    """Median profiling time: timed trials plus a hardware-counter pass."""
+    profile_sigma: float = 0.2
+    validate_slots: int = 4
+    """Concurrent validations one validation GPU runs (validation can share a GPU, profiling cannot)."""
+    timing_noise: float = 0.02
+    """Relative noise of a measured speedup."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QualityConfig:
+    """Synthetic candidate quality (an assumption: it decides who wins; docs/kernels.md has the sweeps)."""
+
+    p_valid_final: float = 0.7
+    """Probability a finished answer is correct."""
+    p_valid_start: float = 0.25
+    """Probability a fork from the very start of the reasoning is correct (linear in progress between)."""
+    base_speedup: float = 0.9
+    """Median speedup of a first-iteration answer."""
+    learn: float = 0.18
+    """Log-speedup gained per unit of ln(1 + profiled feedback so far)."""
+    early_penalty: float = 0.35
+    """Log-speedup lost by a fork from the start of the reasoning (linear in progress)."""
+    sigma: float = 0.25
+    """Spread of log-speedup."""
+    settle_lo: float = 0.6
+    settle_hi: float = 0.9
+    """The reasoning settles on its final answer somewhere in this fraction of its length."""
+    drafts_mean: float = 1.0
+    """Mean number of complete code drafts inside a reasoning trace (Poisson, at most 3)."""
+
+
+_ids = itertools.count()
+
+
+def sim_code(valid: bool, speedup: float) -> str:
+    """A simulated candidate: its quality is written in it (SimEval reads it back), and its id makes it a
+    distinct kernel for deduplication (which hashes the AST, so it cannot be a comment)."""
+    return f"SIM_CANDIDATE = ({next(_ids)}, {int(valid)}, {speedup:.6f})\n\n\nclass ModelNew:\n    pass\n"
+
+
+def sim_quality(code: str) -> tuple[bool, float]:
+    head = code.split("\n", 1)[0]
+    if not head.startswith("SIM_CANDIDATE = ("):
+        return False, 0.0
+    _, valid, speedup = head.split("(", 1)[1].rstrip(")").split(",")
+    return valid.strip() == "1", float(speedup)
+
+
+@dataclass(slots=True)
+class _Plan:
+    tokens: int
+    settle: float
+    final: str
+    knowledge: int
+    prompt_tokens: int
+
+
+class _SimGeneration:
+    def __init__(self, events: list[Delta], times: list[float], delay_s: float) -> None:
+        self._events, self._times, self._delay = events, times, delay_s
+        self.reasoning = ""
+        self.content = ""
+        self.tokens = 0
+        self.aborted = False
+        self._closed = False
+        self._finished = False
+        self._next = 0
+        self._start: float | None = None
+
+    def __aiter__(self) -> _SimGeneration:
+        return self
+
+    async def __anext__(self) -> Delta:
+        loop = asyncio.get_running_loop()
+        if self._start is None:
+            self._start = loop.time() + self._delay
+        if self._closed or self._next >= len(self._events):
+            self._finished = self._finished or not self._closed
+            raise StopAsyncIteration
+        ev, t = self._events[self._next], self._times[self._next]
+        wait = self._start + t - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        if self._closed:
+            raise StopAsyncIteration
+        self._next += 1
+        if ev.kind == "reasoning":
+            self.reasoning += ev.text
+        else:
+            self.content += ev.text
+        self.tokens += ev.tokens
+        if self._next == len(self._events):
+            self._finished = True
+        return ev
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.aborted = not self._finished
+
+
+class SimLLM:
+    """A reasoning LLM served on H200s, simulated (see the module docstring)."""
+
+    def __init__(self, rng: random.Random, kv: KVTier, config: SimConfig | None = None,
+                 quality: QualityConfig | None = None) -> None:  # fmt: skip
+        self.rng, self.kv = rng, kv
+        self.cfg = config or SimConfig()
+        self.q = quality or QualityConfig()
+        self.plans: dict[str, _Plan] = {}
+        self.prefill_s = 0.0
+
+    def _quality(self, knowledge: int, progress: float) -> tuple[bool, float]:
+        q = self.q
+        p = q.p_valid_start + (q.p_valid_final - q.p_valid_start) * progress
+        mu = math.log(q.base_speedup) + q.learn * math.log1p(knowledge) - q.early_penalty * (1.0 - progress)
+        return self.rng.random() < p, math.exp(self.rng.gauss(mu, q.sigma))
+
+    def _prompt_tokens(self, prompt: Prompt) -> int:
+        return self.cfg.prompt_tokens + self.cfg.feedback_tokens * len(prompt.feedback)
+
+    async def reason(self, prompt: Prompt, stream_id: str) -> _SimGeneration:
+        cfg = self.cfg
+        knowledge = sum(1 for f in prompt.feedback if f.profiled)
+        tokens = max(200, int(self.rng.lognormvariate(math.log(cfg.reasoning_tokens), cfg.reasoning_sigma)))
+        n_drafts = min(3, _poisson(self.rng, self.q.drafts_mean))
+        fracs = sorted(self.rng.uniform(0.25, 0.9) for _ in range(n_drafts))
+        drafts = [sim_code(*self._quality(knowledge, f)) for f in fracs]
+        final = sim_code(*self._quality(knowledge, 1.0))
+        ptoks = self._prompt_tokens(prompt)
+        self.plans[stream_id] = _Plan(
+            tokens, self.rng.uniform(self.q.settle_lo, self.q.settle_hi), final, knowledge, ptoks
+        )
+        trace = synth_trace(
+            self.rng.randrange(2**31),
+            reasoning_tokens=tokens,
+            decode_tps=cfg.decode_tps,
+            drafts=drafts,
+            final_code=final,
+            ttft_s=0.0,
+            tokens_per_event=cfg.chunk_tokens,
+        )
+        now = asyncio.get_running_loop().time()
+        prefill = self.kv.lookup(f"{prompt.problem}/prompt/{prompt.iteration}", ptoks, now)
+        self.kv.put(stream_id, ptoks, now)  # the prompt's blocks now belong to this stream's prefix
+        self.prefill_s += prefill
+        events = [Delta(e.kind, e.text, len(split_tokens(e.text))) for e in trace.events]
+        return _SimGeneration(events, [e.t for e in trace.events], cfg.ttft_s + prefill)
+
+    def record_progress(self, stream_id: str, reasoning_tokens: int) -> None:
+        """The main stream's KV blocks grow as it decodes (the orchestrator reports progress)."""
+        plan = self.plans.get(stream_id)
+        if plan is not None:
+            self.kv.put(stream_id, plan.prompt_tokens + reasoning_tokens, asyncio.get_running_loop().time())
+
+    async def fork(
+        self, prompt: Prompt, stream_id: str, reasoning_prefix: str, prefix_tokens: int
+    ) -> _SimGeneration:
+        plan = self.plans[stream_id]
+        cfg = self.cfg
+        progress = min(1.0, prefix_tokens / max(1, plan.tokens))
+        code = plan.final if progress >= plan.settle else sim_code(*self._quality(plan.knowledge, progress))
+        now = asyncio.get_running_loop().time()
+        prefill = self.kv.lookup(stream_id, plan.prompt_tokens + prefix_tokens, now)
+        self.prefill_s += prefill
+        text = code + "```\n"
+        n = max(1, math.ceil(cfg.fork_tokens / cfg.chunk_tokens))
+        per = len(text) // n + 1
+        pieces = [text[i : i + per] for i in range(0, len(text), per)]
+        toks = [cfg.fork_tokens // len(pieces)] * len(pieces)
+        toks[-1] += cfg.fork_tokens - sum(toks)
+        dt = cfg.fork_tokens / cfg.decode_tps / len(pieces)
+        events = [Delta("content", p, k) for p, k in zip(pieces, toks, strict=True)]
+        return _SimGeneration(events, [dt * (i + 1) for i in range(len(pieces))], cfg.ttft_s + prefill)
+
+
+def _poisson(rng: random.Random, lam: float) -> int:
+    k, p, limit = 0, 1.0, math.exp(-lam)
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return k
+        k += 1
+
+
+@dataclass(slots=True)
+class _Worker:
+    role: str
+    running: str | None = None
+    active: int = 0
+    busy_s: float = 0.0
+    since: float = 0.0
+
+
+@dataclass(order=True, slots=True)
+class _Job:
+    key: tuple[int, int]
+    kind: str = field(compare=False)
+    candidate: Candidate = field(compare=False)
+    future: asyncio.Future[EvalOutcome] = field(compare=False)
+
+
+class SimEval:
+    """Evaluation GPUs with validation/profiling roles, simulated (see the module docstring)."""
+
+    def __init__(self, num_workers: int, rng: random.Random, config: SimConfig | None = None,
+                 roles: list[str] | None = None, use_priority: bool = True) -> None:  # fmt: skip
+        self.num_workers = num_workers
+        self.rng, self.cfg, self.use_priority = rng, config or SimConfig(), use_priority
+        default = ["validate"] * max(1, num_workers // 2) + ["profile"] * (
+            num_workers - max(1, num_workers // 2)
+        )
+        self.workers = [_Worker(r) for r in (roles or default)]
+        self._queue: list[_Job] = []
+        self._seq = itertools.count()
+        self.completed = {"validate": 0, "profile": 0}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _capacity(self, kind: str) -> int:
+        return self.cfg.validate_slots if kind == "validate" else 1
+
+    def submit(self, candidate: Candidate, kind: str, priority: int) -> asyncio.Future[EvalOutcome]:
+        fut: asyncio.Future[EvalOutcome] = asyncio.get_running_loop().create_future()
+        prio = priority if self.use_priority else 0
+        heapq.heappush(self._queue, _Job((-prio, next(self._seq)), kind, candidate, fut))
+        self._dispatch()
+        return fut
+
+    def set_roles(self, roles: list[str]) -> None:
+        for w, r in zip(self.workers, roles, strict=True):
+            w.role = r
+        self._dispatch()
+
+    def busy_seconds(self) -> float:
+        now = asyncio.get_running_loop().time()
+        return sum(w.busy_s + (now - w.since if w.active else 0.0) for w in self.workers)
+
+    def roles(self) -> list[str]:
+        return [w.role for w in self.workers]
+
+    def _fits(self, w: _Worker, kind: str) -> bool:
+        if w.role not in (kind, "any"):
+            return False
+        return w.active == 0 or (w.running == kind and w.active < self._capacity(kind))
+
+    def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        kept: list[_Job] = []
+        while self._queue:
+            job = heapq.heappop(self._queue)
+            if job.future.cancelled():
+                continue
+            worker = next((w for w in self.workers if self._fits(w, job.kind)), None)
+            if worker is None:
+                kept.append(job)
+                continue
+            if worker.active == 0:
+                worker.since = loop.time()
+            worker.active += 1
+            worker.running = job.kind
+            task = loop.create_task(self._serve(worker, job))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        for job in kept:
+            heapq.heappush(self._queue, job)
+
+    async def _serve(self, worker: _Worker, job: _Job) -> None:
+        cfg = self.cfg
+        median, sigma = (
+            (cfg.validate_s, cfg.validate_sigma)
+            if job.kind == "validate"
+            else (cfg.profile_s, cfg.profile_sigma)
+        )
+        service = self.rng.lognormvariate(math.log(median), sigma)
+        await asyncio.sleep(service)
+        valid, speedup = sim_quality(job.candidate.code)
+        if job.kind == "validate":
+            out = EvalOutcome("correct" if valid else "incorrect", None, "", service)
+        else:
+            measured = speedup * math.exp(self.rng.gauss(0.0, cfg.timing_noise))
+            out = EvalOutcome("correct" if valid else "incorrect", measured if valid else None, "", service)
+        loop = asyncio.get_running_loop()
+        worker.active -= 1
+        if worker.active == 0:
+            worker.busy_s += loop.time() - worker.since
+            worker.running = None
+        self.completed[job.kind] += 1
+        if not job.future.done():
+            job.future.set_result(out)
+        self._dispatch()
