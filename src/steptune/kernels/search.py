@@ -64,7 +64,10 @@ class SearchConfig:
     termination: TerminationConfig = field(default_factory=lambda: TerminationConfig(target_speedup=2.0))
     stop_at_target: bool = False
     """Stop the search at the target (optimize); off in benchmarks, which run every policy to the budget."""
-    triggers: TriggerConfig = field(default_factory=TriggerConfig)
+    triggers: TriggerConfig = field(
+        default_factory=lambda: TriggerConfig(min_gap_tokens=150, periodic_tokens=600, max_outstanding=8)
+    )
+    """SpecGen forks as often as the evaluation pool can absorb (the fork cost is counted in tokens)."""
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     parallel_n: int = 4
     probe_every_tokens: int = 1500
@@ -149,6 +152,12 @@ class Search:
             return 0
         return MAIN_PRIORITY if cand.origin == "final" else int(cand.created_s * 1000)
 
+    def _slots(self, kind: str) -> int:
+        """Jobs of `kind` a worker runs at once (a validation GPU may run several): the allocator needs
+        service time per slot."""
+        capacity = getattr(self.ev, "capacity", None)
+        return max(1, int(capacity(kind))) if capacity is not None else 1
+
     def evaluate(self, cand: Candidate) -> asyncio.Task[Feedback | None] | None:
         """Validate then profile `cand` (once per distinct kernel); returns the chain's task."""
         if cand.key in self.seen:
@@ -163,7 +172,7 @@ class Search:
         prio = self._prio(cand)
         self.alloc.observe_arrival("validate", now())
         v = await self.ev.submit(cand, "validate", prio)
-        self.alloc.observe_service("validate", v.service_s, now())
+        self.alloc.observe_service("validate", v.service_s / self._slots("validate"), now())
         self.validated += 1
         if v.verdict != "correct":
             fb = Feedback(cand, v.verdict, None, v.reason, self._t(), profiled=False)
@@ -171,7 +180,7 @@ class Search:
             return fb
         self.alloc.observe_arrival("profile", now())
         p = await self.ev.submit(cand, "profile", prio)
-        self.alloc.observe_service("profile", p.service_s, now())
+        self.alloc.observe_service("profile", p.service_s / self._slots("profile"), now())
         fb = Feedback(cand, p.verdict, p.speedup, p.reason, self._t(), profiled=True)
         self.feedback.append(fb)
         ok = p.verdict == "correct" and p.speedup is not None

@@ -177,7 +177,8 @@ class SimLLM:
         return self.rng.random() < p, math.exp(self.rng.gauss(mu, q.sigma))
 
     def _prompt_tokens(self, prompt: Prompt) -> int:
-        return self.cfg.prompt_tokens + self.cfg.feedback_tokens * len(prompt.feedback)
+        # real.render_messages shows the last 12 feedback items
+        return self.cfg.prompt_tokens + self.cfg.feedback_tokens * min(12, len(prompt.feedback))
 
     async def reason(self, prompt: Prompt, stream_id: str) -> _SimGeneration:
         cfg = self.cfg
@@ -201,8 +202,12 @@ class SimLLM:
             tokens_per_event=cfg.chunk_tokens,
         )
         now = asyncio.get_running_loop().time()
-        prefill = self.kv.lookup(f"{prompt.problem}/prompt/{prompt.iteration}", ptoks, now)
-        self.kv.put(stream_id, ptoks, now)  # the prompt's blocks now belong to this stream's prefix
+        # Consecutive prompts share their beginning (instructions, problem, older feedback): one prefix id,
+        # so a new iteration prefills only what its cached predecessor lacks.
+        shared = f"{prompt.problem}/prompt"
+        prefill = self.kv.lookup(shared, ptoks, now)
+        self.kv.put(shared, ptoks, now)
+        self.kv.put(stream_id, ptoks, now)
         self.prefill_s += prefill
         events = [Delta(e.kind, e.text, len(split_tokens(e.text))) for e in trace.events]
         return _SimGeneration(events, [e.t for e in trace.events], cfg.ttft_s + prefill)
@@ -275,6 +280,10 @@ class SimEval:
         self._seq = itertools.count()
         self.completed = {"validate": 0, "profile": 0}
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def capacity(self, kind: str) -> int:
+        """Jobs of `kind` one worker runs at once (the allocator divides service times by it)."""
+        return self._capacity(kind)
 
     def _capacity(self, kind: str) -> int:
         return self.cfg.validate_slots if kind == "validate" else 1

@@ -1,0 +1,299 @@
+"""Benchmark lanes for the search policies: `sim` (virtual time, SIMULATED services) and `cpu` (the replay
+server and the real sandboxed pool, time-scaled).
+
+Sim lane: for every seed, every policy (and SpecGen's ablations) runs with the same seed, budget, target and
+number of evaluation GPUs; the services draw from RNGs seeded by (seed, role), so the first candidates of
+every policy come from the same distributions. Reported per policy: medians over seeds with bootstrap 95%
+confidence intervals; per baseline, the paired per-seed ratios (baseline e2e / SpecGen e2e, SpecGen
+feedback / baseline feedback). A run that never reaches the target within the budget counts its e2e as
+the budget (censored; counted in `censored`), which understates SpecGen's advantage.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import statistics
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from steptune.kernels.clock import run
+from steptune.kernels.kvtier import NullTier, SimTier
+from steptune.kernels.search import Search, SearchConfig
+from steptune.kernels.sim import QualityConfig, SimConfig, SimEval, SimLLM
+from steptune.kernels.termination import Budget, TerminationConfig
+
+__all__ = ["BASELINES", "VARIANTS", "cpu_traces", "run_cpu_lane", "run_sim_lane", "sim_run", "sweep"]
+
+BASELINES = ("sequential", "parallel", "early_exit")
+# name -> (policy, SearchConfig overrides, KV tier on)
+VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "sequential": ("sequential", {}, True),
+    "parallel": ("parallel", {}, True),
+    "early_exit": ("early_exit", {}, True),
+    "specgen": ("specgen", {}, True),
+    "specgen-no-forks": ("specgen", {"forks": False}, True),
+    "specgen-no-realloc": ("specgen", {"realloc": False}, True),
+    "specgen-no-priority": ("specgen", {"priority": False}, True),
+    "specgen-no-kv-tier": ("specgen", {}, False),
+    "specgen-no-early-stop": ("specgen", {"early_stop": False}, True),
+}
+
+
+def sim_run(
+    variant: str,
+    seed: int,
+    *,
+    wall_s: float = 7200.0,
+    tokens: int | None = 1_000_000,
+    target: float = 2.0,
+    eval_gpus: int = 3,
+    sim: SimConfig | None = None,
+    quality: QualityConfig | None = None,
+    spare_gib_per_gpu: float = 60.0,
+    local_kv_tokens: int | None = None,
+) -> dict[str, Any]:
+    """One seeded run of one variant on virtual time; returns the report as a dict."""
+    policy, overrides, kv_on = VARIANTS[variant]
+    local = {} if local_kv_tokens is None else {"local_capacity_tokens": local_kv_tokens}
+    kv = SimTier.from_eval_gpus(eval_gpus, spare_gib_per_gpu, **local) if kv_on else NullTier(**{
+        "capacity_tokens": local_kv_tokens} if local_kv_tokens is not None else {})  # fmt: skip
+    llm = SimLLM(random.Random(seed * 1000 + 1), kv, sim, quality)
+    ev = SimEval(eval_gpus, random.Random(seed * 1000 + 2), sim)
+    cfg = SearchConfig(
+        policy=policy,
+        budget=Budget(wall_s=wall_s, tokens=tokens),
+        termination=TerminationConfig(target_speedup=target),
+        **overrides,
+    )
+    report = run(Search(llm, ev, cfg).run(), virtual=True).to_json()
+    report.update(variant=variant, seed=seed, prefill_s=llm.prefill_s)
+    return report
+
+
+def _job(args: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
+    variant, seed, kw = args
+    return sim_run(variant, seed, **kw)
+
+
+def _ci(values: list[float], rng: random.Random, n: int = 2000) -> tuple[float, float]:
+    """Bootstrap 95% interval of the median."""
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (math.nan, math.nan)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
+def _summary(values: list[float], rng: random.Random) -> dict[str, Any]:
+    lo, hi = _ci(values, rng)
+    return {"median": statistics.median(values), "ci95": [lo, hi]}
+
+
+def run_sim_lane(
+    *,
+    seeds: int = 20,
+    variants: tuple[str, ...] | None = None,
+    workers: int = 2,
+    progress: Callable[[str], None] | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """Every variant x seed on virtual time; the report the bench CLI writes (SIMULATED)."""
+    names = variants or tuple(VARIANTS)
+    if "specgen" not in names:
+        raise ValueError("the sim lane compares against specgen: include it in variants")
+    jobs = [(v, s, kw) for s in range(seeds) for v in names]
+    runs: list[dict[str, Any]] = []
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as ex:
+            for i, r in enumerate(ex.map(_job, jobs, chunksize=4)):
+                runs.append(r)
+                if progress and i % 10 == 0:
+                    progress(f"sim lane: {i + 1}/{len(jobs)} runs")
+    else:
+        runs = [_job(j) for j in jobs]
+    wall = float(kw.get("wall_s", 7200.0))
+    by: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(r["variant"], {})[r["seed"]] = r
+    rng = random.Random(0)
+    policies: dict[str, Any] = {}
+    for name in names:
+        rs = [by[name][s] for s in range(seeds)]
+        e2e = [r["e2e_time_s"] if r["e2e_time_s"] is not None else wall for r in rs]
+        policies[name] = {
+            "e2e_time_s": _summary(e2e, rng),
+            "feedback_count": _summary([float(r["feedback_count"]) for r in rs], rng),
+            "eval_utilization": _summary([r["eval_utilization"] for r in rs], rng),
+            "best_speedup": _summary([r["best_speedup"] or 0.0 for r in rs], rng),
+            "tokens": _summary([float(sum(r["tokens"].values())) for r in rs], rng),
+            "iterations": _summary([float(r["iterations"]) for r in rs], rng),
+            "prefill_s": _summary([r["prefill_s"] for r in rs], rng),
+            "censored": sum(r["e2e_time_s"] is None for r in rs),
+        }
+    spec = [by["specgen"][s] for s in range(seeds)]
+    ratios: dict[str, Any] = {}
+    for name in names:
+        if name == "specgen":
+            continue
+        other = [by[name][s] for s in range(seeds)]
+        e2e_r = [
+            (o["e2e_time_s"] if o["e2e_time_s"] is not None else wall)
+            / (p["e2e_time_s"] if p["e2e_time_s"] is not None else wall)
+            for o, p in zip(other, spec, strict=True)
+        ]
+        fb_r = [p["feedback_count"] / max(1, o["feedback_count"]) for o, p in zip(other, spec, strict=True)]
+        s_e, s_f = _summary(e2e_r, rng), _summary(fb_r, rng)
+        ratios[name] = {
+            "e2e": s_e["median"],
+            "e2e_ci95": s_e["ci95"],
+            "feedback": s_f["median"],
+            "feedback_ci95": s_f["ci95"],
+            "censored_baseline": sum(o["e2e_time_s"] is None for o in other),
+        }
+    return {
+        "lane": "sim",
+        "simulated": True,
+        "seeds": seeds,
+        "config": {
+            "wall_s": wall,
+            **{k: (str(v) if not isinstance(v, int | float) else v) for k, v in kw.items()},
+        },
+        "assumptions": {
+            "sim": repr(kw.get("sim") or SimConfig()),
+            "quality": repr(kw.get("quality") or QualityConfig()),
+        },
+        "policies": policies,
+        "ratios": ratios,
+        "runs": [{k: v for k, v in r.items() if k not in ("best_timeline", "roles_timeline")} for r in runs],
+    }
+
+
+def sweep(
+    param: str, values: list[Any], *, seeds: int = 10, workers: int = 2, **kw: Any
+) -> list[dict[str, Any]]:
+    """SpecGen vs the best baseline as one assumption varies: where does SpecGen stop winning?"""
+    rows = []
+    for v in values:
+        extra = dict(kw)
+        if param in QualityConfig.__dataclass_fields__:
+            extra["quality"] = replace(kw.get("quality") or QualityConfig(), **{param: v})
+        elif param in SimConfig.__dataclass_fields__:
+            extra["sim"] = replace(kw.get("sim") or SimConfig(), **{param: v})
+        else:
+            extra[param] = v
+        rep = run_sim_lane(seeds=seeds, variants=("specgen", *BASELINES), workers=workers, **extra)
+        closest = min(BASELINES, key=lambda b: rep["ratios"][b]["e2e"])  # the baseline SpecGen beats least
+        rows.append({
+            "param": param, "value": v, "closest_baseline": closest,
+            "e2e_ratio": rep["ratios"][closest]["e2e"],
+            "feedback_ratio": rep["ratios"][closest]["feedback"],
+            "specgen_util": rep["policies"]["specgen"]["eval_utilization"]["median"],
+        })  # fmt: skip
+    return rows
+
+
+def cpu_traces(problem: str = "softmax", *, count: int = 12, seed: int = 0, decode_tps: float = 40.0,
+               reasoning_tokens: int = 1500) -> list[Any]:  # fmt: skip
+    """Synthetic reasoning traces whose drafts and answers are real candidates for `problem` (the fast and
+    slow C examples, the torch alternative, and wrong ones from the adversarial suite)."""
+    from steptune.kernels.bench import EXAMPLES_DIR
+    from steptune.kernels.llm import synth_trace
+
+    pool = [p.read_text() for p in sorted((EXAMPLES_DIR / problem).glob("*.py")) if p.stem != "triton_kernel"]
+    # Real variants of the C kernels: the same source built with other flags is another binary, with
+    # another speed (-O1 and no vectorization are slower, unrolling may help or not).
+    for src in list(pool):
+        m = re.search(r"load_c\((\w+), flags=(.+)\)\n", src)
+        if m:
+            for extra in ('"-O1"', '"-O2"', '"-fno-tree-vectorize"', '"-funroll-loops"'):
+                pool.append(
+                    src.replace(m.group(0), f"load_c({m.group(1)}, flags=(*{m.group(2)}, {extra}))\n")
+                )
+    if problem == "softmax":
+        pool += [
+            (EXAMPLES_DIR / "adversarial" / f"{n}.py").read_text() for n in ("wrong_values", "nan_output")
+        ]
+    if len(pool) < 2:
+        raise ValueError(f"problem {problem!r} has too few example candidates for the cpu lane")
+    rng = random.Random(seed)
+    traces = []
+    for i in range(count):
+        drafts = rng.sample(pool, k=3)
+        traces.append(
+            synth_trace(
+                seed * 100 + i,
+                reasoning_tokens=reasoning_tokens,
+                decode_tps=decode_tps,
+                drafts=drafts,
+                final_code=rng.choice(pool),
+                problem_id=problem,
+                ttft_s=0.2,
+            )
+        )
+    return traces
+
+
+async def _real_search(config: SearchConfig, base_url: str, model: str, problem: Any, pool: Any) -> Any:
+    from steptune.kernels.llm import LLMClient
+    from steptune.kernels.real import RealEval, RealLLM
+
+    async with LLMClient(base_url, model) as client:
+        return await Search(
+            RealLLM(client, problem), RealEval(pool, problem), config, problem=problem.name
+        ).run()
+
+
+def run_cpu_lane(
+    *,
+    problem: str = "softmax",
+    policies: tuple[str, ...] = ("sequential", "specgen"),
+    wall_s: float = 30.0,
+    speed: float = 20.0,
+    workers: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Each policy for `wall_s` real seconds against the replay server (traces with real candidates,
+    replayed `speed` times faster) and the real sandboxed pool; feedback per minute compared."""
+    from steptune.kernels.llm import serve_replay
+    from steptune.kernels.pool import EvalPool, PoolConfig
+    from steptune.kernels.problems import load_problem
+
+    prob = load_problem(problem)
+    traces = cpu_traces(problem)
+    out: dict[str, Any] = {
+        "lane": "cpu",
+        "problem": problem,
+        "wall_s": wall_s,
+        "speed": speed,
+        "policies": {},
+    }
+    with EvalPool(PoolConfig(num_workers=workers, timeout_s=60, roles=("validate", "profile")[:workers]
+                             if workers == 2 else None)) as pool:  # fmt: skip
+        pool.submit(prob, "x = 1\n").result()  # start the workers before timing
+        for name in policies:
+            if progress:
+                progress(f"cpu lane: {name}")
+            config = SearchConfig(
+                policy=name,
+                budget=Budget(wall_s=wall_s),
+                termination=TerminationConfig(target_speedup=None, improvement=0.05),
+                triggers=replace(SearchConfig().triggers, min_gap_tokens=100, periodic_tokens=400),
+            )
+            with serve_replay(traces, speed=speed) as server:
+                model = traces[0].model
+                report = run(
+                    _real_search(config, server.base_url, model, prob, pool), virtual=False
+                ).to_json()
+                stats = server.wait_idle(5.0)
+                aborted_main = sum(r.endpoint == "chat" and r.status == "aborted" for r in stats.records)
+                report["server"] = {"requests": stats.requests, "aborted": stats.aborted,
+                                    "aborted_main": aborted_main, "completed": stats.completed}  # fmt: skip
+            report["feedback_per_min"] = report["feedback_count"] / (report["elapsed_s"] / 60.0)
+            out["policies"][name] = {k: v for k, v in report.items() if k not in ("roles_timeline",)}
+    if "specgen" in out["policies"] and "sequential" in out["policies"]:
+        s, q = out["policies"]["specgen"], out["policies"]["sequential"]
+        out["feedback_per_min_ratio"] = s["feedback_per_min"] / max(1e-9, q["feedback_per_min"])
+    return out
