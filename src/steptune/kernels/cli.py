@@ -173,6 +173,77 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _optimize(args: argparse.Namespace) -> int:
+    from steptune.kernels.optimize import optimize
+    from steptune.kernels.problems import load_problem
+    from steptune.kernels.search import POLICIES, SearchConfig
+    from steptune.kernels.termination import Budget, TerminationConfig
+
+    if args.policy not in POLICIES:
+        raise ValueError(f"unknown --policy {args.policy!r}: choose one of {', '.join(POLICIES)}")
+    problem = load_problem(args.problem)
+    config = SearchConfig(
+        policy=args.policy,
+        budget=Budget(wall_s=args.wall, tokens=args.tokens, iterations=args.iterations),
+        termination=TerminationConfig(target_speedup=args.target),
+        stop_at_target=args.target is not None,
+    )
+
+    def progress(search: Any) -> None:
+        if sys.stderr.isatty():
+            best = f"{search.best:.2f}x" if search.best else "-"
+            print(f"\r{len(search.feedback)} evaluated, best {best}", end="", file=sys.stderr, flush=True)
+
+    res = optimize(problem, base_url=args.llm_url, model=args.model, config=config, progress=progress)
+    rep = res.report
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(f"problem     {problem.name} ({problem.description})")
+    print(f"policy      {rep.policy}: {rep.iterations} iterations, {rep.elapsed_s:.1f} s")
+    print(f"stopped by  {rep.stop_reason}")
+    parts = ", ".join(f"{k} {v}" for k, v in rep.tokens.items())
+    print(f"tokens      {sum(rep.tokens.values())} generated ({parts})")
+    n_eval = len(res.feedback)
+    print(f"evaluated   {n_eval} candidates, {rep.feedback_count} profiled, {rep.early_stops} early stops")
+    counts: dict[str, int] = {}
+    for fb in res.feedback:
+        counts[fb.verdict] = counts.get(fb.verdict, 0) + 1
+    print("verdicts    " + ", ".join(f"{v} {n}" for v, n in sorted(counts.items())))
+    best = res.best
+    if best is None:
+        print("best        none correct: read the reasons in the JSON and adjust the prompt or the model")
+        code = 1
+    else:
+        c = best.candidate
+        print(f"best        {best.speedup:.2f}x the reference, from {c.origin} in iteration {c.iteration} "
+              f"at {c.created_s:.1f} s")  # fmt: skip
+        out = Path(args.out or f"{problem.name}_best.py")
+        out.write_text(c.code)
+        print(f"wrote: {out} (the best kernel; check it with steptune kernels eval --problem {problem.name} "
+              f"--candidate {out})")  # fmt: skip
+        code = 0
+    if args.json:
+        data = {
+            "report": rep.to_json(),
+            "candidates": [
+                {
+                    "origin": f.candidate.origin,
+                    "iteration": f.candidate.iteration,
+                    "verdict": f.verdict,
+                    "speedup": f.speedup,
+                    "reason": f.reason,
+                    "at_s": f.at_s,
+                    "code": f.candidate.code,
+                }
+                for f in res.feedback
+            ],
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote: {args.json}")
+    return code
+
+
 def register(sub: Any) -> None:
     from steptune.core.config import field_docs
     from steptune.kernels.pool import PoolConfig
@@ -203,6 +274,24 @@ def register(sub: Any) -> None:
     ev.add_argument("--rounds", type=int, default=15, help=docs.get("rounds", ""))
     ev.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help=docs.get("device", ""))
     ev.set_defaults(func=_eval)
+    op = verbs.add_parser(
+        "optimize",
+        help="search for a faster kernel with an LLM server (vLLM, SGLang, or the replay server)",
+        description="Run the search loop against an OpenAI-compatible server; candidates are validated and "
+        "profiled in the sandboxed pool; the best kernel is written to a file. Exit 0 when a correct "
+        "candidate was found.",
+    )
+    op.add_argument("--problem", required=True, help="a built-in problem name or a KernelBench-format file")
+    op.add_argument("--llm-url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000/v1")
+    op.add_argument("--model", required=True, help="model name as the server knows it")
+    op.add_argument("--policy", default="specgen", help="specgen (default), sequential, parallel, early_exit")
+    op.add_argument("--wall", type=float, default=1800.0, help="wall-clock budget in seconds (default: 1800)")
+    op.add_argument("--tokens", type=int, default=None, help="generated-token budget (forks count)")
+    op.add_argument("--iterations", type=int, default=None, help="iteration budget")
+    op.add_argument("--target", type=float, default=None, help="stop once a kernel reaches this speedup")
+    op.add_argument("--out", default=None, help="where to write the best kernel (default: PROBLEM_best.py)")
+    op.add_argument("--json", default=None, help="write the report and every candidate here")
+    op.set_defaults(func=_optimize)
     be = verbs.add_parser(
         "bench",
         help="profile the fast and slow C examples repeatedly: does profiling tell them apart?",

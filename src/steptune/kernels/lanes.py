@@ -196,7 +196,7 @@ def sweep(
 
 
 def cpu_traces(problem: str = "softmax", *, count: int = 12, seed: int = 0, decode_tps: float = 40.0,
-               reasoning_tokens: int = 1500) -> list[Any]:  # fmt: skip
+               reasoning_tokens: int = 4000) -> list[Any]:  # fmt: skip
     """Synthetic reasoning traces whose drafts and answers are real candidates for `problem` (the fast and
     slow C examples, the torch alternative, and wrong ones from the adversarial suite)."""
     from steptune.kernels.bench import EXAMPLES_DIR

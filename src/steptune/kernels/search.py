@@ -396,6 +396,9 @@ class Search:
             for g in it.gens:
                 await self._close(g)
             index += 1
+        if stop_reason == "iterations" and self.eval_tasks:
+            # every proposed candidate still gets its verdict, within what is left of the wall budget
+            await asyncio.wait(set(self.eval_tasks), timeout=self.budget.remaining_s(now()))
         if self.e2e is not None and self.cfg.stop_at_target:
             stop_reason = "target"
         elif self.budget.exhausted(now()):

@@ -1,0 +1,73 @@
+"""The search loop in real mode: one policy object drives both lanes; the cpu lane (replay server + real
+pool) gives SpecGen more profiling feedback per minute than Sequential and its early stop aborts the main
+stream on the server; `steptune kernels optimize` finds the fastest embedded correct candidate."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from steptune.cli import main
+from steptune.kernels.clock import run
+from steptune.kernels.extract import normalized_hash
+from steptune.kernels.kvtier import SimTier
+from steptune.kernels.lanes import _real_search, cpu_traces, run_cpu_lane
+from steptune.kernels.llm import serve_replay, synth_trace
+from steptune.kernels.pool import EvalPool, PoolConfig
+from steptune.kernels.problems import load_problem
+from steptune.kernels.search import Search, SearchConfig
+from steptune.kernels.sim import SimEval, SimLLM
+from steptune.kernels.termination import Budget, TerminationConfig
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "src/steptune/kernels/examples"
+
+
+def test_one_policy_object_drives_both_lanes():
+    config = SearchConfig(
+        policy="specgen",
+        budget=Budget(iterations=3, wall_s=7200.0),
+        termination=TerminationConfig(target_speedup=None, improvement=0.05),
+    )
+    sim = run(
+        Search(SimLLM(random.Random(5), SimTier(0)), SimEval(2, random.Random(6)), config).run(), virtual=True
+    )
+    problem = load_problem("softmax")
+    with serve_replay(cpu_traces(count=4), speed=40.0) as server, EvalPool(PoolConfig(num_workers=2)) as pool:
+        real = run(_real_search(config, server.base_url, "synth-reasoner", problem, pool), virtual=False)
+    for rep in (sim, real):
+        assert rep.policy == "specgen" and rep.iterations == 3 and rep.stop_reason == "iterations"
+        assert rep.validated >= 2 and rep.tokens["fork"] > 0
+
+
+def test_cpu_lane_more_feedback_and_early_stop_aborts_main_stream():
+    rep = run_cpu_lane(wall_s=15.0)
+    spec, seq = rep["policies"]["specgen"], rep["policies"]["sequential"]
+    assert spec["feedback_per_min"] > seq["feedback_per_min"]
+    assert spec["early_stops"] >= 1
+    assert spec["server"]["aborted_main"] >= spec["early_stops"]  # the server saw the main stream closed
+
+
+def test_optimize_finds_the_fastest_embedded_candidate(tmp_path, capsys):
+    src = {n: (EXAMPLES / "softmax" / f"{n}.py").read_text() for n in ("c_slow", "torch_alt", "c_fast")}
+    wrong = (EXAMPLES / "adversarial" / "wrong_values.py").read_text()
+    traces = [
+        synth_trace(1, reasoning_tokens=3000, decode_tps=40, drafts=[src["c_slow"], wrong],
+                    final_code=src["torch_alt"], problem_id="softmax", ttft_s=0.1),
+        synth_trace(2, reasoning_tokens=3000, decode_tps=40, drafts=[src["torch_alt"], src["c_fast"]],
+                    final_code=src["c_slow"], problem_id="softmax", ttft_s=0.1),
+    ]  # fmt: skip
+    out, js = tmp_path / "best.py", tmp_path / "opt.json"
+    with serve_replay(traces, speed=40.0) as server:
+        args = ["--model", traces[0].model, "--iterations", "2", "--out", str(out), "--json", str(js)]
+        code = main(["kernels", "optimize", "--problem", "softmax", "--llm-url", server.base_url, *args])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "best " in text and "wrote:" in text
+    assert normalized_hash(out.read_text()) == normalized_hash(src["c_fast"])
+    data = json.loads(js.read_text())
+    verdicts = {c["verdict"] for c in data["candidates"]}
+    assert "incorrect" in verdicts and "correct" in verdicts
+    assert data["candidates"][0]["speedup"] > 1.0

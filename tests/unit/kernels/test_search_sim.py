@@ -1,0 +1,87 @@
+"""The search loop on virtual time: the clock, determinism, each policy's mechanics, the lane's ratios."""
+
+import asyncio
+import random
+
+import pytest
+
+from steptune.kernels.clock import VirtualTimeLoop, now, run
+from steptune.kernels.kvtier import SimTier
+from steptune.kernels.lanes import run_sim_lane, sim_run
+from steptune.kernels.search import Search, SearchConfig
+from steptune.kernels.sim import SimEval, SimLLM, sim_code, sim_quality
+from steptune.kernels.termination import Budget
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_virtual_clock_orders_timers_and_detects_deadlock():
+    log = []
+
+    async def worker(name, dt):
+        for _ in range(3):
+            await asyncio.sleep(dt)
+            log.append((now(), name))
+
+    async def main():
+        await asyncio.gather(worker("a", 100.0), worker("b", 37.5))
+        return now()
+
+    assert run(main(), virtual=True) == 300.0
+    assert [n for _, n in log] == ["b", "b", "a", "b", "a", "a"]
+    assert log[2] == (100.0, "a")
+
+    async def stuck():
+        await asyncio.Event().wait()
+
+    loop = VirtualTimeLoop()
+    with pytest.raises(RuntimeError, match="deadlock"):
+        loop.run_until_complete(stuck())
+    loop.close()
+
+
+def test_sim_candidates_carry_quality_and_are_distinct():
+    a, b = sim_code(True, 1.5), sim_code(True, 1.5)
+    assert a != b and sim_quality(a) == (True, 1.5)
+    assert sim_quality("class ModelNew: pass") == (False, 0.0)
+
+
+def test_same_seed_same_run():
+    assert sim_run("specgen", 3, wall_s=1800) == sim_run("specgen", 3, wall_s=1800)
+
+
+@pytest.mark.parametrize("policy", ["sequential", "parallel", "early_exit", "specgen"])
+def test_each_policy_runs_to_budget_and_counts(policy):
+    r = sim_run(policy, 1, wall_s=3600)
+    assert r["elapsed_s"] == pytest.approx(3600, abs=1) and r["iterations"] >= 2
+    assert r["validated"] >= r["feedback_count"] >= 1
+    assert 0.0 < r["eval_utilization"] <= 1.0
+    if policy == "specgen":
+        assert r["tokens"]["fork"] > 0 and r["early_stops"] >= 1 and r["aborted_streams"] >= 1
+    if policy == "early_exit":
+        assert r["tokens"]["probe"] > 0 and r["early_stops"] >= 1
+    if policy in ("sequential", "parallel"):
+        assert r["tokens"]["fork"] == r["tokens"]["probe"] == r["early_stops"] == 0
+
+
+def test_token_budget_stops_the_search():
+    r = sim_run("specgen", 2, wall_s=7200, tokens=200_000)
+    assert r["elapsed_s"] < 7200 and "token" in r["stop_reason"]
+    assert sum(r["tokens"].values()) <= 200_000 + 2_000  # at most one chunk per stream past the budget
+
+
+def test_unknown_policy_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown policy 'greedy'"):
+        Search(
+            SimLLM(random.Random(0), SimTier(0)), SimEval(2, random.Random(0)), SearchConfig(policy="greedy")
+        )
+
+
+def test_sim_lane_ratios_are_paired_and_specgen_gets_more_feedback():
+    rep = run_sim_lane(seeds=3, variants=("specgen", "sequential"), workers=1, wall_s=3600)
+    assert rep["simulated"] and rep["lane"] == "sim"
+    r = rep["ratios"]["sequential"]
+    assert r["feedback"] > 1.5 and r["e2e"] >= 1.0
+    assert r["feedback_ci95"][0] <= r["feedback"] <= r["feedback_ci95"][1]
+    assert len(rep["runs"]) == 6
+    assert Budget(wall_s=1.0).wall_s == 1.0
