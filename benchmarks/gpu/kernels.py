@@ -1,11 +1,13 @@
 """SpecGen part 1 on one GPU: the evaluation pool validating and profiling CUDA and Triton candidates.
 
-Under 5 minutes on one H200 (most of it is nvcc building the load_inline candidate). What it measures:
+Under 8 minutes on one H200 (nvcc building the load_inline candidate, two search runs). What it measures:
 - verdicts of device-agnostic adversarial candidates on CUDA tensors (wrong values, wrong shape, cached and
   stale outputs, the reference op, Sakana's memory-reuse exploit against the CUDA caching allocator, early
   exit), plus a Triton kernel that stores to an illegal address (it must kill only its own child process);
 - correct Triton (row softmax) and CUDA load_inline (ReLU) candidates: speedup over the torch reference,
   `--repeats` profiles each, timed with CUDA events and a 256 MB L2 flush per call, one profiling worker.
+- the search loop, SpecGen vs Sequential, against a local vLLM/SGLang server (`--llm-url`) when one is
+  running, else against the replay server (traces embedding real candidates) with the real pool.
 ``--dry-run`` runs the same code on CPU with C candidates instead of CUDA/Triton ones (for the tests).
 
     PYTHONPATH=src python benchmarks/gpu/kernels.py --json $OUT/kernels.json
@@ -56,6 +58,38 @@ def _illegal_triton() -> str:
     return bad
 
 
+def _search_part(args: argparse.Namespace) -> dict[str, Any]:
+    """SpecGen vs Sequential with the real pool: against a local vLLM/SGLang server when given, else the
+    replay server with traces that embed real candidates (the cpu lane; on a GPU box its pool is still the
+    CPU C lane, since the embedded candidates are C kernels)."""
+    from steptune.kernels.lanes import run_cpu_lane
+
+    if args.llm_url:
+        from steptune.kernels.optimize import optimize
+        from steptune.kernels.problems import load_problem
+        from steptune.kernels.search import SearchConfig
+        from steptune.kernels.termination import Budget
+
+        rows = {}
+        for policy in ("sequential", "specgen"):
+            res = optimize(
+                load_problem("softmax"),
+                base_url=args.llm_url,
+                model=args.model or "default",
+                config=SearchConfig(policy=policy, budget=Budget(wall_s=args.search_wall)),
+                pool_config=PoolConfig(
+                    num_workers=2, roles=("validate", "profile"), device="cuda", timeout_s=300
+                ),
+            )
+            rows[policy] = res.report.to_json()
+        return {"server": args.llm_url, "policies": rows}
+    wall = 8.0 if args.dry_run else args.search_wall
+    rep = run_cpu_lane(wall_s=wall)
+    return {"server": "replay", "feedback_per_min_ratio": rep.get("feedback_per_min_ratio"),
+            "policies": {k: {m: v[m] for m in ("feedback_count", "feedback_per_min", "early_stops", "server")}
+                         for k, v in rep["policies"].items()}}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -63,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU with C candidates (for the tests)")
     parser.add_argument("--repeats", type=int, default=5, help="profiles per correct candidate")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--llm-url", default=None, help="a local vLLM/SGLang server (default: the replay server)"
+    )
+    parser.add_argument("--model", default=None, help="the server's model name (with --llm-url)")
+    parser.add_argument(
+        "--search-wall", type=float, default=60.0, help="seconds per policy in the search part"
+    )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run on CPU", file=sys.stderr)
@@ -123,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                 "failed": [f"{r.verdict}: {r.reason[:200]}" for r in runs if r not in ok],
             }
             print(f"profile {name:28s} speedups {profiles[name]['speedups']}", flush=True)
+    search = _search_part(args)
     out = {
+        "search": search,
         "dry_run": args.dry_run,
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,

@@ -95,48 +95,6 @@ SWEEPS: tuple[tuple[str, list[Any]], ...] = (
 )
 
 
-def _lane_table(report: dict[str, Any]) -> Any:
-    from steptune.core.report import Table
-
-    sim = report["lane"] == "sim"
-    t = Table(
-        title=f"Search policies, {report['lane']} lane"
-        + (f" (SIMULATED, medians over {report['seeds']} seeds)" if sim else " (replay server + real pool)"),
-        columns=[
-            "policy",
-            "e2e to target",
-            "profiling feedback",
-            "eval utilization",
-            "best speedup",
-            "tokens",
-        ],
-    )
-    for name, p in report["policies"].items():
-        if sim:
-            e2e = p["e2e_time_s"]["median"]
-            cens = f" ({p['censored']} never)" if p["censored"] else ""
-            t.add(name, f"{e2e:.0f} s{cens}", f"{p['feedback_count']['median']:.0f}",
-                  f"{p['eval_utilization']['median']:.1%}", f"{p['best_speedup']['median']:.2f}x",
-                  f"{p['tokens']['median'] / 1e3:.0f}k")  # fmt: skip
-        else:
-            best = f"{p['best_speedup']:.2f}x" if p["best_speedup"] else "-"
-            fb = f"{p['feedback_count']} ({p['feedback_per_min']:.1f}/min)"
-            toks = f"{sum(p['tokens'].values()) / 1e3:.1f}k"
-            t.add(name, "-", fb, f"{p['eval_utilization']:.1%}", best, toks)
-    if sim:
-        for name, r in report["ratios"].items():
-            t.notes.append(
-                f"SpecGen vs {name}: e2e {r['e2e']:.2f}x [{r['e2e_ci95'][0]:.2f}, {r['e2e_ci95'][1]:.2f}], "
-                f"feedback {r['feedback']:.2f}x [{r['feedback_ci95'][0]:.2f}, {r['feedback_ci95'][1]:.2f}]"
-            )
-        t.notes.append("simulated services; assumptions in docs/kernels.md")
-    elif "feedback_per_min_ratio" in report:
-        t.notes.append(
-            f"SpecGen / sequential profiling feedback per minute: {report['feedback_per_min_ratio']:.2f}x"
-        )
-    return t
-
-
 def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -144,7 +102,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     if args.lane in ("sim", "cpu"):
-        from steptune.kernels.lanes import run_cpu_lane, run_sim_lane, sweep
+        from steptune.kernels.lanes import lane_table, run_cpu_lane, run_sim_lane, sweep
 
         with console.status(f"{args.lane} lane ...") as status:
             if args.lane == "sim":
@@ -158,7 +116,7 @@ def _bench(args: argparse.Namespace) -> int:
                 report = run_cpu_lane(wall_s=args.wall, progress=status.update)
         if args.json:
             print(f"wrote: {write_json(report, args.json)}")
-        _lane_table(report).print()
+        lane_table(report).print()
         return 0
     with console.status("profiling ...") as status:
         report = run_bench(repeats=args.repeats, problems=args.problems or None, progress=status.update)

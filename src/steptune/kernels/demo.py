@@ -1,5 +1,5 @@
 """Kernels demo: one replayed LLM iteration feeding the sandboxed pool, the adversarial suite's verdicts,
-and fast vs slow C kernels told apart by profiling.
+fast vs slow C kernels told apart by profiling, and the search policies on the simulated lane (4 seeds).
 
 The LLM is the trace-replay server playing a synthetic reasoning trace (labelled synthetic) whose drafts
 are real candidates for the built-in `softmax` problem; our client streams it over loopback HTTP and
@@ -20,6 +20,7 @@ from steptune.core.demo import DemoResult
 from steptune.core.report import Table
 from steptune.kernels.bench import EXAMPLES_DIR, bench_table, run_bench
 from steptune.kernels.extract import code_blocks, fork_code, normalized_hash
+from steptune.kernels.lanes import BASELINES, lane_table, run_sim_lane
 from steptune.kernels.pool import EvalPool, PoolConfig, Result
 
 __all__ = ["run_kernels_demo"]
@@ -116,6 +117,7 @@ def run_kernels_demo(out_dir: Path) -> DemoResult:
             for n, e, f in adv_futs
         ]
     report = run_bench(repeats=3, problems=["softmax", "rmsnorm", "gelu_tanh"])
+    lane = run_sim_lane(seeds=4, variants=("specgen", *BASELINES), workers=2)
 
     t1 = Table(
         title="One LLM iteration replayed (synthetic trace, x8 speed) into the sandboxed pool: softmax",
@@ -138,12 +140,12 @@ def run_kernels_demo(out_dir: Path) -> DemoResult:
     for r in adv_rows:
         t2.add(r["candidate"], r["expected"], r["verdict"], r["reason"][:70])
     t3 = bench_table(report)
+    t4 = lane_table(lane)
     path = out_dir / "kernels_demo.json"
-    path.write_text(
-        json.dumps({"llm_iteration": llm_rows, "adversarial": adv_rows, "bench": report}, indent=2)
-    )
+    data = {"llm_iteration": llm_rows, "adversarial": adv_rows, "bench": report, "sim_lane": lane}
+    path.write_text(json.dumps(data, indent=2))
     return DemoResult(
-        title="kernels: SpecGen part 1 (evaluation pool, LLM client, replay server)",
-        tables=[t1, t2, t3],
+        title="kernels: SpecGen (evaluation pool, LLM client, replay server, search policies)",
+        tables=[t1, t2, t3, t4],
         artifacts=[path, out_dir / "recorded_trace.jsonl"],
     )

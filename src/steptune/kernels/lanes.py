@@ -26,7 +26,16 @@ from steptune.kernels.search import Search, SearchConfig
 from steptune.kernels.sim import QualityConfig, SimConfig, SimEval, SimLLM
 from steptune.kernels.termination import Budget, TerminationConfig
 
-__all__ = ["BASELINES", "VARIANTS", "cpu_traces", "run_cpu_lane", "run_sim_lane", "sim_run", "sweep"]
+__all__ = [
+    "BASELINES",
+    "VARIANTS",
+    "cpu_traces",
+    "lane_table",
+    "run_cpu_lane",
+    "run_sim_lane",
+    "sim_run",
+    "sweep",
+]
 
 BASELINES = ("sequential", "parallel", "early_exit")
 # name -> (policy, SearchConfig overrides, KV tier on)
@@ -297,3 +306,46 @@ def run_cpu_lane(
         s, q = out["policies"]["specgen"], out["policies"]["sequential"]
         out["feedback_per_min_ratio"] = s["feedback_per_min"] / max(1e-9, q["feedback_per_min"])
     return out
+
+
+def lane_table(report: dict[str, Any]) -> Any:
+    """The policy comparison of a lane report as a table (ratios with CIs in its notes)."""
+    from steptune.core.report import Table
+
+    sim = report["lane"] == "sim"
+    t = Table(
+        title=f"Search policies, {report['lane']} lane"
+        + (f" (SIMULATED, medians over {report['seeds']} seeds)" if sim else " (replay server + real pool)"),
+        columns=[
+            "policy",
+            "e2e to target",
+            "profiling feedback",
+            "eval utilization",
+            "best speedup",
+            "tokens",
+        ],
+    )
+    for name, p in report["policies"].items():
+        if sim:
+            e2e = p["e2e_time_s"]["median"]
+            cens = f" ({p['censored']} never)" if p["censored"] else ""
+            t.add(name, f"{e2e:.0f} s{cens}", f"{p['feedback_count']['median']:.0f}",
+                  f"{p['eval_utilization']['median']:.1%}", f"{p['best_speedup']['median']:.2f}x",
+                  f"{p['tokens']['median'] / 1e3:.0f}k")  # fmt: skip
+        else:
+            best = f"{p['best_speedup']:.2f}x" if p["best_speedup"] else "-"
+            fb = f"{p['feedback_count']} ({p['feedback_per_min']:.1f}/min)"
+            toks = f"{sum(p['tokens'].values()) / 1e3:.1f}k"
+            t.add(name, "-", fb, f"{p['eval_utilization']:.1%}", best, toks)
+    if sim:
+        for name, r in report["ratios"].items():
+            t.notes.append(
+                f"SpecGen vs {name}: e2e {r['e2e']:.2f}x [{r['e2e_ci95'][0]:.2f}, {r['e2e_ci95'][1]:.2f}], "
+                f"feedback {r['feedback']:.2f}x [{r['feedback_ci95'][0]:.2f}, {r['feedback_ci95'][1]:.2f}]"
+            )
+        t.notes.append("simulated services; assumptions in docs/kernels.md")
+    elif "feedback_per_min_ratio" in report:
+        t.notes.append(
+            f"SpecGen / sequential profiling feedback per minute: {report['feedback_per_min_ratio']:.2f}x"
+        )
+    return t

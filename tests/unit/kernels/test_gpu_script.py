@@ -25,5 +25,7 @@ def test_dry_run_gets_every_expected_verdict_and_profiles(tmp_path: Path) -> Non
     assert res["all_expected"], [v for v in res["verdicts"] if not v["ok"]]
     assert len(res["verdicts"]) >= 12
     assert "softmax/c_fast" in res["profiles"]
+    assert res["search"]["server"] == "replay"
+    assert set(res["search"]["policies"]) == {"sequential", "specgen"}
     for prof in res["profiles"].values():
         assert len(prof["speedups"]) == 2 and not prof["failed"]
