@@ -132,16 +132,20 @@ def run_sim_lane(
     for name in names:
         rs = [by[name][s] for s in range(seeds)]
         e2e = [r["e2e_time_s"] if r["e2e_time_s"] is not None else wall for r in rs]
-        policies[name] = {
-            "e2e_time_s": _summary(e2e, rng),
-            "feedback_count": _summary([float(r["feedback_count"]) for r in rs], rng),
-            "eval_utilization": _summary([r["eval_utilization"] for r in rs], rng),
-            "best_speedup": _summary([r["best_speedup"] or 0.0 for r in rs], rng),
-            "tokens": _summary([float(sum(r["tokens"].values())) for r in rs], rng),
-            "iterations": _summary([float(r["iterations"]) for r in rs], rng),
-            "prefill_s": _summary([r["prefill_s"] for r in rs], rng),
-            "censored": sum(r["e2e_time_s"] is None for r in rs),
+        metrics = {
+            "e2e_time_s": e2e,
+            "feedback_count": [float(r["feedback_count"]) for r in rs],
+            "eval_utilization": [r["eval_utilization"] for r in rs],
+            "best_speedup": [r["best_speedup"] or 0.0 for r in rs],
+            "tokens": [float(sum(r["tokens"].values())) for r in rs],
+            "iterations": [float(r["iterations"]) for r in rs],
+            "prefill_s": [r["prefill_s"] for r in rs],
         }
+        policies[name] = {"censored": sum(r["e2e_time_s"] is None for r in rs)}
+        for key, values in metrics.items():  # the median under the metric's name, its interval beside it
+            summary = _summary(values, rng)
+            policies[name][key] = summary["median"]
+            policies[name][f"{key}_ci95"] = summary["ci95"]
     spec = [by["specgen"][s] for s in range(seeds)]
     ratios: dict[str, Any] = {}
     for name in names:
@@ -199,7 +203,7 @@ def sweep(
             "param": param, "value": v, "closest_baseline": closest,
             "e2e_ratio": rep["ratios"][closest]["e2e"],
             "feedback_ratio": rep["ratios"][closest]["feedback"],
-            "specgen_util": rep["policies"]["specgen"]["eval_utilization"]["median"],
+            "specgen_util": rep["policies"]["specgen"]["eval_utilization"],
         })  # fmt: skip
     return rows
 
@@ -327,11 +331,10 @@ def lane_table(report: dict[str, Any]) -> Any:
     )
     for name, p in report["policies"].items():
         if sim:
-            e2e = p["e2e_time_s"]["median"]
             cens = f" ({p['censored']} never)" if p["censored"] else ""
-            t.add(name, f"{e2e:.0f} s{cens}", f"{p['feedback_count']['median']:.0f}",
-                  f"{p['eval_utilization']['median']:.1%}", f"{p['best_speedup']['median']:.2f}x",
-                  f"{p['tokens']['median'] / 1e3:.0f}k")  # fmt: skip
+            t.add(name, f"{p['e2e_time_s']:.0f} s{cens}", f"{p['feedback_count']:.0f}",
+                  f"{p['eval_utilization']:.1%}", f"{p['best_speedup']:.2f}x",
+                  f"{p['tokens'] / 1e3:.0f}k")  # fmt: skip
         else:
             best = f"{p['best_speedup']:.2f}x" if p["best_speedup"] else "-"
             fb = f"{p['feedback_count']} ({p['feedback_per_min']:.1f}/min)"

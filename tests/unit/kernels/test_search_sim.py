@@ -84,4 +84,7 @@ def test_sim_lane_ratios_are_paired_and_specgen_gets_more_feedback():
     assert r["feedback"] > 1.5 and r["e2e"] >= 1.0
     assert r["feedback_ci95"][0] <= r["feedback"] <= r["feedback_ci95"][1]
     assert len(rep["runs"]) == 6
+    for pol in rep["policies"].values():  # the layout issue #12 asks for: medians by name, intervals beside
+        for key in ("e2e_time_s", "feedback_count", "eval_utilization", "best_speedup", "tokens"):
+            assert isinstance(pol[key], float) and pol[f"{key}_ci95"][0] <= pol[key] <= pol[f"{key}_ci95"][1]
     assert Budget(wall_s=1.0).wall_s == 1.0
