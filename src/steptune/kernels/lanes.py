@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from steptune.kernels.clock import run
-from steptune.kernels.kvtier import NullTier, SimTier
+from steptune.kernels.kvtier import DEFAULT_LOCAL_CAPACITY_TOKENS, KVCostModel, KVTier, NullTier, SimTier
 from steptune.kernels.search import Search, SearchConfig
 from steptune.kernels.sim import QualityConfig, SimConfig, SimEval, SimLLM
 from steptune.kernels.termination import Budget, TerminationConfig
@@ -64,12 +64,16 @@ def sim_run(
     quality: QualityConfig | None = None,
     spare_gib_per_gpu: float = 60.0,
     local_kv_tokens: int | None = None,
+    prefill_tps: float | None = None,
 ) -> dict[str, Any]:
     """One seeded run of one variant on virtual time; returns the report as a dict."""
     policy, overrides, kv_on = VARIANTS[variant]
-    local = {} if local_kv_tokens is None else {"local_capacity_tokens": local_kv_tokens}
-    kv = SimTier.from_eval_gpus(eval_gpus, spare_gib_per_gpu, **local) if kv_on else NullTier(**{
-        "capacity_tokens": local_kv_tokens} if local_kv_tokens is not None else {})  # fmt: skip
+    cost = KVCostModel() if prefill_tps is None else KVCostModel(prefill_tps=prefill_tps)
+    local = DEFAULT_LOCAL_CAPACITY_TOKENS if local_kv_tokens is None else local_kv_tokens
+    if kv_on:
+        kv: KVTier = SimTier.from_eval_gpus(eval_gpus, spare_gib_per_gpu, cost, local_capacity_tokens=local)
+    else:
+        kv = NullTier(local, cost)
     llm = SimLLM(random.Random(seed * 1000 + 1), kv, sim, quality)
     ev = SimEval(eval_gpus, random.Random(seed * 1000 + 2), sim)
     cfg = SearchConfig(
