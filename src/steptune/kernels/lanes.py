@@ -59,7 +59,7 @@ def sim_run(
     wall_s: float = 7200.0,
     tokens: int | None = 1_000_000,
     target: float = 2.0,
-    eval_gpus: int = 3,
+    eval_gpus: int = 4,
     sim: SimConfig | None = None,
     quality: QualityConfig | None = None,
     spare_gib_per_gpu: float = 60.0,
