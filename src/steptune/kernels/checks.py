@@ -4,6 +4,8 @@ They reject the cheats and hazards known from KernelBench's static checker, METR
 exploit, by reading the AST (not by regex, so comments and strings do not trip them):
 
 - fallbacks: any `try`/`except` (a kernel that fails silently falls back to the reference);
+- forging the verdict: `open` (files, /proc), `os._exit`, `sys.exit`, `exit`, `SystemExit` (the verdict is
+  computed in the candidate's process, see docs/kernels.md);
 - escaping the sandbox or the checks: processes, threads, signals, sockets (`subprocess`, `multiprocessing`,
   `threading`, `concurrent`, `signal`, `socket`, `os.fork`/`system`/`popen`/`exec*`/`kill`/`spawn*`);
 - introspection that can reach the reference's results or disable the runtime op recorder (`gc`, `inspect`,
@@ -44,7 +46,10 @@ _BANNED_MODULES = {
     "steptune_problem": "reaches the reference module",
     "steptune_candidate": "reaches the evaluator's module table",
 }
-_BANNED_OS = {"fork", "forkpty", "system", "popen", "kill", "killpg", "spawnv", "spawnl", "posix_spawn"}
+_BANNED_OS = {
+    "fork", "forkpty", "system", "popen", "kill", "killpg", "spawnv", "spawnl", "posix_spawn",
+    "_exit", "abort",
+}  # fmt: skip
 _BANNED_CALLS = {
     "__import__": "imports by computed name",
     "exec": "runs generated code",
@@ -52,6 +57,9 @@ _BANNED_CALLS = {
     "compile": "compiles generated code",
     "globals": "reaches module state by name",
     "breakpoint": "enters a debugger",
+    "open": "writes or reads files (a kernel needs neither; C builds go through cext.load_c)",
+    "exit": "ends the process before it is judged",
+    "quit": "ends the process before it is judged",
 }
 _BANNED_ATTR_PATHS = {
     "torch._C": "reaches torch internals (can disable the runtime op recorder)",
@@ -62,6 +70,7 @@ _BANNED_ATTR_PATHS = {
     "sys.modules": "can reach the reference module",
     "sys.settrace": "hooks the evaluator",
     "sys.setprofile": "hooks the evaluator",
+    "sys.exit": "ends the process before it is judged",
 }
 
 
@@ -116,7 +125,7 @@ class _Visitor(ast.NodeVisitor):
             full = f"{mod}.{a.name}"
             self._module(full, node)
             if mod == "os" and (a.name in _BANNED_OS or a.name.startswith(("exec", "spawn"))):
-                self._add("banned-call", node, f"imports os.{a.name}, which starts or kills processes")
+                self._add("banned-call", node, f"imports os.{a.name}, which starts, kills or ends processes")
             self.aliases[a.asname or a.name] = full
 
     def visit_Try(self, node: ast.Try) -> None:
@@ -140,7 +149,7 @@ class _Visitor(ast.NodeVisitor):
                     return
             mod, _, attr = full.rpartition(".")
             if mod == "os" and (attr in _BANNED_OS or attr.startswith(("exec", "spawn"))):
-                self._add("banned-call", node, f"uses os.{attr}, which starts or kills processes")
+                self._add("banned-call", node, f"uses os.{attr}, which starts, kills or ends processes")
                 return
         self.generic_visit(node)
 
@@ -158,6 +167,8 @@ class _Visitor(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_Name(self, node: ast.Name) -> None:
+        if node.id == "SystemExit":
+            self._add("banned-call", node, "raises SystemExit, which ends the process before it is judged")
         if node.id in ("__builtins__", "__loader__", "__spec__"):
             self._add("banned-attribute", node, f"uses {node.id}, which can reach builtins or the importer")
 

@@ -155,8 +155,17 @@ def _to(x: Any, device: str) -> Any:
 
 def _build(
     problem: dict[str, Any], candidate: str, workdir: Path, device: str, fp_mode: _FPMode
-) -> tuple[Any, Any, Any, float]:
+) -> tuple[Any, Any, Any, float, tuple[int, int]]:
     prob = import_source(problem["source"], workdir / "problem.py", "steptune_problem")
+    seed = int(problem.get("seed", 0))
+    torch.manual_seed(seed)
+    init = prob.get_init_inputs()
+    ref = prob.Model(*init).to(device).eval()
+    with torch.no_grad():  # warm the reference (lazy thread pools) before counting threads
+        _call(ref, [_to(x, device) for x in prob.get_inputs()], "the reference")
+    # The thread baseline is taken before the candidate is imported: a library constructor that starts a
+    # thread at load time must not hide in it.
+    baseline = (threading.active_count(), len(os.listdir("/proc/self/task")))
     t0 = time.perf_counter()
     try:
         cand = import_source(candidate, workdir / "candidate.py", "steptune_candidate")
@@ -172,18 +181,14 @@ def _build(
     fp_mode.check_and_restore("importing the candidate")
     if not hasattr(cand, "ModelNew"):
         raise _Verdict("compile_error", "the candidate defines no ModelNew class")
-    seed = int(problem.get("seed", 0))
-    torch.manual_seed(seed)
-    init = prob.get_init_inputs()
-    ref = prob.Model(*init).to(device).eval()
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the same parameters as the reference, whatever the warm-up drew
     try:
         new = cand.ModelNew(*init).to(device).eval()
     except MemoryError:
         raise
     except Exception as exc:
         raise _Verdict("crashed", f"ModelNew(...) raised {type(exc).__name__}: {exc}") from exc
-    return prob, ref, new, compile_s
+    return prob, ref, new, compile_s, baseline
 
 
 def _call(fn: Callable[..., Any], args: list[Any], what: str) -> Any:
@@ -199,7 +204,14 @@ def _call(fn: Callable[..., Any], args: list[Any], what: str) -> Any:
 
 
 def _validate(
-    prob: Any, ref: Any, new: Any, problem: dict[str, Any], trials: int, device: str, fp_mode: _FPMode
+    prob: Any,
+    ref: Any,
+    new: Any,
+    problem: dict[str, Any],
+    trials: int,
+    device: str,
+    fp_mode: _FPMode,
+    baseline: tuple[int, int],
 ) -> dict[str, Any]:
     seed = int(problem.get("seed", 0))
     forbidden = problem.get("forbidden_ops")
@@ -211,9 +223,7 @@ def _validate(
     gen = torch.Generator().manual_seed(seed ^ 0x5EED)
     pattern = torch.randint(0, 256, (_GUARD_BYTES,), dtype=torch.uint8, generator=gen).to(device)
     with torch.no_grad():
-        _call(ref, [_to(x, device) for x in prob.get_inputs()], "the reference")  # warm, lazy thread pools
-        base_threads = threading.active_count()
-        base_tasks = len(os.listdir("/proc/self/task"))
+        base_threads, base_tasks = baseline
         for trial in range(trials):
             torch.manual_seed(seed + 1000 + trial)
             inputs = [_to(x, device) for x in prob.get_inputs()]
@@ -404,10 +414,12 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": job["kind"]}
     try:
         fp_mode = _FPMode()
-        prob, ref, new, compile_s = _build(job["problem"], job["candidate"], workdir, device, fp_mode)
+        prob, ref, new, compile_s, baseline = _build(
+            job["problem"], job["candidate"], workdir, device, fp_mode
+        )
         out["compile_s"] = compile_s
         trials = int(job.get("trials", 5)) if job["kind"] == "validate" else 1
-        out.update(_validate(prob, ref, new, job["problem"], trials, device, fp_mode))
+        out.update(_validate(prob, ref, new, job["problem"], trials, device, fp_mode, baseline))
         out.update(verdict="correct", reason="")
         if job["kind"] == "profile" and interpreted:
             out["reason"] = "not timed: the Triton interpreter checks correctness only"
@@ -415,6 +427,7 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
             out.update(_profile(prob, ref, new, job, device))
         if job["kind"] == "profile" and out.get("speedup", 0.0) > float(job.get("excessive_speedup", 10.0)):
             out["reason"] = f"speedup {out['speedup']:.1f}x is suspiciously high: check the kernel by hand"
+            out["suspicious"] = True
     except _Verdict as v:
         out.update(v.extra, verdict=v.verdict, reason=v.reason)
     except MemoryError:

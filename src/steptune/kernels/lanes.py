@@ -6,7 +6,9 @@ number of evaluation GPUs; the services draw from RNGs seeded by (seed, role), s
 every policy come from the same distributions. Reported per policy: medians over seeds with bootstrap 95%
 confidence intervals; per baseline, the paired per-seed ratios (baseline e2e / SpecGen e2e, SpecGen
 feedback / baseline feedback). A run that never reaches the target within the budget counts its e2e as
-the budget (censored; counted in `censored`), which understates SpecGen's advantage.
+the budget (censored; counted in `censored`): that understates SpecGen's advantage when only the
+baseline is censored, overstates it when only SpecGen is, and gives exactly 1.0 when both are (counted
+per baseline in `censored_both`, `censored_baseline`, `censored_specgen`).
 """
 
 from __future__ import annotations
@@ -169,6 +171,10 @@ def run_sim_lane(
             "feedback": s_f["median"],
             "feedback_ci95": s_f["ci95"],
             "censored_baseline": sum(o["e2e_time_s"] is None for o in other),
+            "censored_specgen": sum(p["e2e_time_s"] is None for p in spec),
+            "censored_both": sum(
+                o["e2e_time_s"] is None and p["e2e_time_s"] is None for o, p in zip(other, spec, strict=True)
+            ),
         }
     return {
         "lane": "sim",
@@ -287,10 +293,14 @@ def run_cpu_lane(
         "speed": speed,
         "policies": {},
     }
-    with EvalPool(PoolConfig(num_workers=workers, timeout_s=60, roles=("validate", "profile")[:workers]
-                             if workers == 2 else None)) as pool:  # fmt: skip
-        pool.submit(prob, "x = 1\n").result()  # start the workers before timing
-        for name in policies:
+    roles = ("validate", "profile") if workers == 2 else None
+    for name in policies:
+        # a fresh pool per policy, every worker started before the clock runs: no policy inherits another's
+        # queue, roles or cold start
+        with EvalPool(PoolConfig(num_workers=workers, timeout_s=60, roles=roles)) as pool:
+            warm = [pool.submit(prob, "x = 1\n", kind=k) for k in ("validate", "profile")]
+            for f in warm:
+                f.result()
             if progress:
                 progress(f"cpu lane: {name}")
             config = SearchConfig(

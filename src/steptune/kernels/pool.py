@@ -143,6 +143,8 @@ class _Worker:
             req = self.pool._next(self)
             if req is None:
                 return
+            if not req.future.set_running_or_notify_cancel():  # the caller cancelled it while queued
+                continue
             self.busy = True
             try:
                 req.future.set_result(self._run(req))
@@ -171,6 +173,12 @@ class _Worker:
             why = "the evaluation worker died"
             return Result(verdict="crashed", reason=why, kind=req.kind, worker=self.index)
         raw = json.loads(line)
+        if raw.get("id") != job["id"]:  # a line the worker did not write for this job: trust nothing more
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+            why = f"the worker's result channel was tampered with (got a result for {raw.get('id')!r})"
+            return Result(verdict="rejected", reason=why, kind=req.kind, worker=self.index)
         res = Result(**{k: raw[k] for k in _FIELDS if k in raw and raw[k] is not None})
         res.wall_s, res.worker, res.problem = raw.get("wall_s"), self.index, req.problem.name
         res.extra = {k: v for k, v in raw.items() if k not in _FIELDS and k not in ("id",)}
@@ -314,7 +322,8 @@ class EvalPool:
             pending, self._queue = self._queue, []
             self._cv.notify_all()
         for r in pending:
-            r.future.set_exception(RuntimeError("the pool was closed before this request ran"))
+            if not r.future.cancelled():
+                r.future.set_exception(RuntimeError("the pool was closed before this request ran"))
         for w in self.workers:
             w.thread.join(timeout=self.config.timeout_s + 10)
             w.stop()

@@ -111,7 +111,13 @@ class RealEval:
         fut = self.pool.submit(self.problem, candidate.code, kind=kind, priority=priority)  # type: ignore[arg-type]
 
         def done(_: Any) -> None:
-            res = fut.result()
+            if out.done():
+                return
+            try:
+                res = fut.result()
+            except BaseException as exc:  # a pool failure becomes a crashed verdict, never a hang
+                out.set_result(EvalOutcome("crashed", None, f"the pool failed: {exc!r}", 0.0))
+                return
             self._busy += float(res.wall_s or 0.0)
             self.results.append((candidate, kind, res))
             outcome = EvalOutcome(res.verdict, res.speedup, res.reason, float(res.wall_s or 0.0))
@@ -119,6 +125,7 @@ class RealEval:
                 out.set_result(outcome)
 
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
+        out.add_done_callback(lambda o: fut.cancel() if o.cancelled() else None)  # drop it if still queued
         return out
 
     def set_roles(self, roles: list[str]) -> None:

@@ -42,7 +42,10 @@ __all__ = ["descendants", "main"]
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_DUMPABLE = 4
+_PR_CAPBSET_DROP = 24
 _CLONE_NEWNET = 0x40000000
+_SYS_CAPSET = 126  # x86-64
 _NOBODY = 65534
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -113,6 +116,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _drop_capabilities() -> None:
+    """Keep uid 0 but drop every capability: without CAP_SYS_PTRACE the child cannot reopen the
+    (non-dumpable) worker's result pipe through /proc, without CAP_SYS_ADMIN it cannot leave its
+    namespaces."""
+    for cap in range(64):
+        _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words, all zero
+    _libc.syscall(_SYS_CAPSET, header, data)
+
+
 def _sandbox_child(job: dict[str, Any], workdir: Path) -> None:
     """In the forked child: isolate, limit, run the job, write result.json. Never returns."""
     code = 0
@@ -155,6 +169,9 @@ def _sandbox_child(job: dict[str, Any], workdir: Path) -> None:
             os.setgroups([])
             os.setgid(_NOBODY)
             os.setuid(_NOBODY)
+        elif is_root:
+            _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            _drop_capabilities()
         from steptune.kernels.evaluate import run_job
 
         result = run_job(job, workdir)
@@ -183,7 +200,7 @@ def _run(job: dict[str, Any], root: Path) -> dict[str, Any]:
     lim = job["limits"]
     workdir = Path(root) / f"job-{job['id']}"
     workdir.mkdir(parents=True)
-    if lim.get("drop_privileges") and os.geteuid() == 0:
+    if lim.get("drop_privileges") and os.geteuid() == 0 and _NOBODY_OK:
         os.chown(workdir, _NOBODY, _NOBODY)
     t0 = time.monotonic()
     pid = os.fork()
@@ -213,7 +230,8 @@ def _run(job: dict[str, Any], root: Path) -> dict[str, Any]:
     leftovers = _kill_leftovers()
     result_file = workdir / "result.json"
     output = _tail(workdir / "output.log")
-    if result_file.exists() and not killed:
+    exited_cleanly = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    if result_file.exists() and not killed and exited_cleanly:
         out = json.loads(result_file.read_text())
     elif killed == "timeout":
         out = {"verdict": "timeout", "reason": f"still running after {lim['timeout_s']:g} s (killed)"}
@@ -279,6 +297,7 @@ def main() -> None:
     """Worker loop: one JSON job per stdin line, one JSON result per stdout line."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # its /proc/<pid>/fd (the result pipe) closed to children
     import torch  # imported once here, shared copy-on-write by every child
     import torch._dynamo  # noqa: F401  (the first op under a dispatch mode imports it: 1.3 s per child)
 

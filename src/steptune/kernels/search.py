@@ -194,8 +194,12 @@ class Search:
                     self.done.set()
         cur = self.cur
         if cur is not None and cand.iteration == cur.index:
+            threshold = self.term.threshold  # the bar before this result
             decision = self.term.observe(p.speedup if ok else None, ok)
-            if decision != "continue" and self.cfg.policy == "specgen" and self.cfg.early_stop:
+            # Only a result that clears the bar stops the reasoning: a search-wide stop (the target, reached
+            # earlier) persists in `decision` and must not cut every later iteration at its first result.
+            counts = ok and p.speedup is not None and p.speedup >= threshold
+            if decision != "continue" and counts and self.cfg.policy == "specgen" and self.cfg.early_stop:
                 cur.stop.set()
         if self.progress is not None:
             self.progress(self)

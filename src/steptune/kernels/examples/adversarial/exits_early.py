@@ -1,6 +1,7 @@
 """Exits the process from inside forward before any result is reported."""
 
-# expect: crashed
+# expect: rejected
+# runtime: crashed
 import os
 
 import torch
