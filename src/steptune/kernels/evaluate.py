@@ -53,6 +53,7 @@ _NON_COMPUTE = {
     "aten.sym_storage_offset", "aten.size", "aten.stride", "aten.numel", "aten._local_scalar_dense",
 }  # fmt: skip
 _GUARD_BYTES = 4096
+_KEEP_ALIVE: list[Any] = []
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -247,6 +248,8 @@ def _validate(
                 if not _guards_intact(buf, pattern):
                     raise _Verdict("crashed", f"out-of-bounds write: guard bytes around input {i} changed")
             if threading.active_count() > base_threads or len(os.listdir("/proc/self/task")) > base_tasks:
+                # its thread may still be writing to these: keep them alive until the process ends
+                _KEEP_ALIVE.append((cand_in, guards, out_c))
                 raise _Verdict("rejected", "the candidate left threads running")
             for i, (x, p) in enumerate(zip(cand_in, pristine, strict=True)):
                 if isinstance(x, torch.Tensor) and not _same_bits(x, p):

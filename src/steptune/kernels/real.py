@@ -120,7 +120,9 @@ class RealEval:
                 return
             self._busy += float(res.wall_s or 0.0)
             self.results.append((candidate, kind, res))
-            outcome = EvalOutcome(res.verdict, res.speedup, res.reason, float(res.wall_s or 0.0))
+            # a speedup the evaluator flagged as implausible (> 10x) is not credited until a human looks
+            speedup = None if res.extra.get("suspicious") else res.speedup
+            outcome = EvalOutcome(res.verdict, speedup, res.reason, float(res.wall_s or 0.0))
             if not out.done():
                 out.set_result(outcome)
 

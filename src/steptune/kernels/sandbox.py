@@ -46,6 +46,7 @@ _PR_SET_DUMPABLE = 4
 _PR_CAPBSET_DROP = 24
 _CLONE_NEWNET = 0x40000000
 _SYS_CAPSET = 126  # x86-64
+_CLONE_NEWPID = 0x20000000
 _NOBODY = 65534
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -82,6 +83,10 @@ def _rss_bytes(pid: int) -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, IndexError, ValueError):
         return 0
+
+
+def _tree_rss(pid: int) -> int:
+    return max([_rss_bytes(pid), *(_rss_bytes(p) for p in descendants(pid))])
 
 
 def _vm_size() -> int:
@@ -175,6 +180,16 @@ def _sandbox_child(job: dict[str, Any], workdir: Path) -> None:
         from steptune.kernels.evaluate import run_job
 
         result = run_job(job, workdir)
+        # Processes the candidate started and left (in a PID namespace the kernel would kill them silently
+        # when this process ends, so they are counted here, while they still exist).
+        left = [p for p in descendants(int(os.readlink("/proc/self"))) if _alive(p)]
+        if left:
+            note = f"left {len(left)} process(es) running (killed)"
+            if result.get("verdict") in ("correct", "incorrect"):
+                result.update(verdict="rejected", reason=note)
+            else:
+                result["reason"] = f"{result.get('reason', '')}; {note}".lstrip("; ")
+            result["leftover_processes"] = len(left)
         isolated = bool(lim.get("isolate_network") and is_root)
         result["sandbox"] = {"uid": os.getuid(), "network_isolated": isolated}
         tmp = workdir / "result.json.tmp"
@@ -186,6 +201,25 @@ def _sandbox_child(job: dict[str, Any], workdir: Path) -> None:
         code = 70
     finally:
         os._exit(code)
+
+
+def _launch_in_pid_namespace(job: dict[str, Any], workdir: Path) -> None:
+    """As root: this launcher process puts the sandbox child in a new PID namespace, as its process 1, and
+    mirrors its exit. When the child ends, or the launcher or the worker is killed (death signals chain
+    down), the kernel kills every process left in the namespace, daemons in new sessions included. Returns
+    only if the namespace cannot be made (the caller then runs the child here, with the subreaper alone)."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _libc.unshare(_CLONE_NEWPID) != 0:
+        return
+    child = os.fork()
+    if child == 0:
+        _sandbox_child(job, workdir)
+    status = os.waitpid(child, 0)[1]
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 70)
 
 
 def _tail(path: Path, n: int = 1500) -> str:
@@ -205,6 +239,8 @@ def _run(job: dict[str, Any], root: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
+        if os.geteuid() == 0:
+            _launch_in_pid_namespace(job, workdir)
         _sandbox_child(job, workdir)
     base_rss = _rss_bytes(os.getpid())
     deadline, killed = t0 + float(lim["timeout_s"]), ""
@@ -216,7 +252,7 @@ def _run(job: dict[str, Any], root: Path) -> dict[str, Any]:
         now = time.monotonic()
         if now > deadline and not killed:
             killed = "timeout"
-        elif lim.get("memory_bytes") and _rss_bytes(pid) > base_rss + int(lim["memory_bytes"]) and not killed:
+        elif lim.get("memory_bytes") and _tree_rss(pid) > base_rss + int(lim["memory_bytes"]) and not killed:
             killed = "memory"
         if killed:
             with contextlib.suppress(ProcessLookupError):
@@ -263,6 +299,7 @@ def _run(job: dict[str, Any], root: Path) -> dict[str, Any]:
             out.update(verdict="rejected", reason=note)
         else:
             out["reason"] = f"{out.get('reason', '')}; {note}".lstrip("; ")
+    leftovers = max(leftovers, int(out.get("leftover_processes", 0)))
     out.update(id=job["id"], wall_s=wall, leftover_processes=leftovers, output_tail=output[-800:])
     out.setdefault("kind", job["kind"])
     if usage is not None:
