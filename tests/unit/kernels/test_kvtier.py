@@ -8,12 +8,7 @@ import random
 
 import pytest
 
-from steptune.kernels.kvtier import (
-    KVCostModel,
-    KVTier,
-    LocalCache,
-    NullTier,
-    SimTier,
+from steptune.kernels.kvconfig import (
     lmcache_config,
     lmcache_env,
     lmcache_vllm_args,
@@ -22,6 +17,7 @@ from steptune.kernels.kvtier import (
     sglang_hicache_args,
     vllm_kv_transfer_args,
 )
+from steptune.kernels.kvtier import KVCostModel, KVTier, LocalCache, NullTier, SimTier
 
 pytestmark = pytest.mark.timeout(60)
 
