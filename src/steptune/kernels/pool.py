@@ -155,7 +155,6 @@ class _Worker:
                 self.jobs_done += 1
 
     def _run(self, req: _Request) -> Result:
-        cfg = self.pool.config
         if self.proc is None or self.proc.poll() is not None:
             self.proc = self._start()
         job = self.pool._job(req, self.index)
@@ -182,7 +181,6 @@ class _Worker:
         res = Result(**{k: raw[k] for k in _FIELDS if k in raw and raw[k] is not None})
         res.wall_s, res.worker, res.problem = raw.get("wall_s"), self.index, req.problem.name
         res.extra = {k: v for k, v in raw.items() if k not in _FIELDS and k not in ("id",)}
-        del cfg
         return res
 
     def stop(self) -> None:

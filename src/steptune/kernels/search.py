@@ -258,7 +258,7 @@ class Search:
         await asyncio.gather(*(self._sequential(prompt, it, j) for j in range(self.cfg.parallel_n)))
 
     async def _fork_task(self, prompt: Prompt, sid: str, prefix: str, tokens: int, it: _Iteration,
-                         kind: str, origin: str) -> str | None:  # fmt: skip
+                         kind: str) -> str | None:  # fmt: skip
         gen = await self.llm.fork(prompt, sid, prefix, tokens)
         if not await self._stream(gen, kind, sid, it):
             return None
@@ -289,7 +289,7 @@ class Search:
                 next_probe[0] += self.cfg.probe_every_tokens
                 idx = len(probes)
                 t = asyncio.get_running_loop().create_task(
-                    self._fork_task(prompt, sid, g.reasoning, g.tokens, it, "probe", "probe")
+                    self._fork_task(prompt, sid, g.reasoning, g.tokens, it, "probe")
                 )
                 probes.add(t)
                 t.add_done_callback(lambda task, i=idx: on_done(i, task))
@@ -301,9 +301,7 @@ class Search:
         if exit_code:
             self.early_stops += 1
             it.stop.clear()
-            task = self.evaluate(
-                self._candidate(exit_code[0], "final", it.index, gen.tokens / max(1, gen.tokens))
-            )
+            task = self.evaluate(self._candidate(exit_code[0], "final", it.index, 1.0))
             if task is not None:
                 await self._until(task, it)
         elif finished:
@@ -332,7 +330,7 @@ class Search:
                 elif not trig.suppressed and self.cfg.forks and trig.kind != "draft":
                     prefix = g.reasoning[: trig.chars]
                     t = asyncio.get_running_loop().create_task(
-                        self._fork_task(prompt, sid, prefix, trig.tokens, it, "fork", "fork")
+                        self._fork_task(prompt, sid, prefix, trig.tokens, it, "fork")
                     )
                     forks.add(t)
                     progress = trig.tokens
