@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
+from steptune.comm.accounting import phase
 from steptune.comm.layout import GroupLayout, Piece
 from steptune.comm.transport import Transport
 
-__all__ = ["RSStats", "reduce_scatter_into"]
+__all__ = ["RSStats", "reduce_scatter_into", "staging_numel"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,17 @@ def _src_view(layout: GroupLayout, grads: Sequence[torch.Tensor], owner: int, pi
     first_row, _ = layout.owner_rows(piece.param, owner)
     start = first_row * layout.params[piece.param].row_numel + piece.src
     return grads[piece.param].reshape(-1).narrow(0, start, piece.numel)
+
+
+def _clamp_chunk(layout: GroupLayout, chunk_numel: int) -> int:
+    return max(1, min(chunk_numel, max(layout.rs_numel(r) for r in range(layout.world_size))))
+
+
+def staging_numel(layout: GroupLayout, *, chunk_numel: int, num_slots: int, two_phase: bool) -> int:
+    """Staging elements one reduce-scatter needs: independent of ``W`` once chunks are full."""
+    if layout.world_size == 1:
+        return 0
+    return num_slots * _clamp_chunk(layout, chunk_numel) * (2 if two_phase else 1)
 
 
 def _post_recv(
@@ -84,30 +96,31 @@ def reduce_scatter_into(
     if num_slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     gdtype = grads[0].dtype
-    chunk_numel = max(1, min(chunk_numel, max(layout.rs_numel(r) for r in range(w))))
-    need = num_slots * chunk_numel * (2 if two_phase else 1)
+    chunk_numel = _clamp_chunk(layout, chunk_numel)
+    need = staging_numel(layout, chunk_numel=chunk_numel, num_slots=num_slots, two_phase=two_phase)
     if staging is not None:
         if staging.dtype != gdtype or staging.dim() != 1 or staging.numel() < need:
             raise ValueError(f"staging must be 1-D {gdtype} with >= {need} elements")
         allocated = 0
     else:
-        staging = torch.empty(need if w > 1 else 0, dtype=gdtype, device=out.device)
+        staging = torch.empty(need, dtype=gdtype, device=out.device)
         allocated = staging.numel() * staging.element_size()
     recv_slots = [staging.narrow(0, k * chunk_numel, chunk_numel) for k in range(num_slots if w > 1 else 0)]
     send_base = num_slots * chunk_numel
 
     # The reduction's first term: this rank's own rows (exact cast), padding zeroed as in stock's chunk_cat.
     own_bytes = 0
-    for p in range(len(layout.params)):
-        n = layout.real_numel(p, rank)
-        off = layout.out_offset(p)
-        if n:
-            first_row, _ = layout.owner_rows(p, rank)
-            start = first_row * layout.params[p].row_numel
-            out.narrow(0, off, n).copy_(grads[p].reshape(-1).narrow(0, start, n))
-            own_bytes += n * out.element_size()
-        if layout.shard_numel(p) > n:
-            out.narrow(0, off + n, layout.shard_numel(p) - n).zero_()
+    with phase("reduce"):
+        for p in range(len(layout.params)):
+            n = layout.real_numel(p, rank)
+            off = layout.out_offset(p)
+            if n:
+                first_row, _ = layout.owner_rows(p, rank)
+                start = first_row * layout.params[p].row_numel
+                out.narrow(0, off, n).copy_(grads[p].reshape(-1).narrow(0, start, n))
+                own_bytes += n * out.element_size()
+            if layout.shard_numel(p) > n:
+                out.narrow(0, off + n, layout.shard_numel(p) - n).zero_()
 
     stage_bytes = 0
     for step in range(1, w):
@@ -153,4 +166,4 @@ def reduce_scatter_into(
                 work.wait()
     if divide_by is not None and divide_by != 1:
         out.div_(divide_by)
-    return RSStats(need * staging.element_size() if w > 1 else 0, allocated, own_bytes, stage_bytes)
+    return RSStats(need * staging.element_size(), allocated, own_bytes, stage_bytes)

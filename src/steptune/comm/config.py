@@ -1,0 +1,41 @@
+"""TIDE's configuration and its fallback warning (shared by the FSDP2 integration modules)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from steptune.comm.ag import AG_ALGORITHMS
+
+__all__ = ["TideConfig", "TideFallbackWarning"]
+
+
+class TideFallbackWarning(UserWarning):
+    """A parameter group stays on stock FSDP2; the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TideConfig:
+    ag_algorithm: str = "rd"
+    """All-gather algorithm: ``rd`` (recursive doubling; Bruck form for non-power-of-two W) or ``direct``."""
+    max_inflight_bytes: int | None = None
+    """Pacing: cap on all-gather bytes posted at once per round (None: a whole round at once)."""
+    rs_chunk_numel: int = 1 << 20
+    """Reduce-scatter chunk size in elements (one staging slot)."""
+    rs_num_slots: int = 2
+    """Staging slots per direction (K): staging is K chunks whatever the world size."""
+    rs_two_phase: bool = False
+    """Gather outgoing rows into send slots before sending (GPU: separates HBM reads from the wire)."""
+    slot_reuse: bool = True
+    """Stage the reduce-scatter in the group's just-vacated all-gather slot instead of new memory."""
+    persistent_slots: bool = False
+    """Never free slots (needed when they are registered NCCL windows)."""
+    align_bytes: int = 16
+    """Alignment of each parameter's storage inside its slot."""
+    self_test: bool = True
+    """Run a small all-gather / reduce-scatter on each process group at enable time; fall back if it fails."""
+
+    def __post_init__(self) -> None:
+        if self.ag_algorithm not in AG_ALGORITHMS:
+            raise ValueError(f"ag_algorithm must be one of {AG_ALGORITHMS}, got {self.ag_algorithm!r}")
+        if self.rs_chunk_numel < 1 or self.rs_num_slots < 1:
+            raise ValueError("rs_chunk_numel and rs_num_slots must be >= 1")
