@@ -252,14 +252,15 @@ def _ineligible(g: Any) -> str | None:
     if g.device.type not in ("cpu", "cuda"):
         return f"device type {g.device.type}"
     for fp in g.fsdp_params:
+        name = fp._param_fqn or fp._module_info.param_name
         if fp.fsdp_placement.dim != 0:
-            return f"{fp._param_fqn}: Shard({fp.fsdp_placement.dim}) (TIDE handles dim-0 sharding)"
+            return f"{name}: Shard({fp.fsdp_placement.dim}) (TIDE handles dim-0 sharding)"
         if fp.is_dtensor:
-            return f"{fp._param_fqn}: DTensor parameter (tensor parallel)"
+            return f"{name}: DTensor parameter (tensor parallel)"
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
-            return f"{fp._param_fqn}: all-gather extension (fsdp_pre_all_gather)"
+            return f"{name}: all-gather extension (fsdp_pre_all_gather)"
         if (dtype := fp.sharded_param.dtype) not in (torch.float32, torch.bfloat16):
-            return f"{fp._param_fqn}: parameter dtype {dtype}"
+            return f"{name}: parameter dtype {dtype}"
     if any(fp.sharded_state != _sharded() for fp in g.fsdp_params):
         raise ValueError(f"group {g._module_fqn}: call enable_tide between steps, with parameters sharded")
     return None

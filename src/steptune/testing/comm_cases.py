@@ -1,0 +1,129 @@
+"""FSDP2 set-ups that TIDE must leave on stock FSDP2: each must warn and train exactly like stock.
+
+``fallback_rank(rank, group, case)`` runs in a spawned world with a default process group (``SpawnPool(...,
+default_group=True)``): it builds the same model twice with the case's FSDP2 options, enables TIDE on one,
+trains both for two steps on the same batches and returns the TIDE handle's verdicts, the warnings and
+whether the parameters are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CASES", "fallback_rank"]
+
+CASES = {
+    2: (
+        "reduce_bf16",
+        "divide_factor",
+        "custom_comm",
+        "all_reduce_hook",
+        "shard_dim1",
+        "cpu_offload",
+        "world1",
+    ),
+    4: ("hsdp", "reshard_int", "tensor_parallel"),
+}
+
+
+def _custom_rs() -> Any:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class CustomReduceScatter(DefaultReduceScatter):
+        """A user's own reduce-scatter (here: stock's, so results must match)."""
+
+    return CustomReduceScatter()
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def _shard(model: nn.Sequential, case: str, mesh: Any, group: Any) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
+    if case == "reduce_bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    elif case == "shard_dim1":
+        kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 2 == 0 else None
+    elif case == "cpu_offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    elif case == "reshard_int":
+        kwargs["reshard_after_forward"] = 2
+    layers = [m for m in model if isinstance(m, nn.Linear)]
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for layer in layers:
+        if case == "divide_factor":
+            layer.set_gradient_divide_factor(float(group.size()))  # type: ignore[operator]
+        elif case == "custom_comm":
+            layer.set_custom_reduce_scatter(_custom_rs())  # type: ignore[operator]
+        elif case == "all_reduce_hook":
+            layer.set_all_reduce_hook(lambda t: t.mul_(0.5))  # type: ignore[operator]
+
+
+def _mesh(case: str, group: Any) -> tuple[Any, Callable[[nn.Sequential], None]]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if case == "hsdp":
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), lambda m: None
+    if case == "tensor_parallel":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+        def tp(m: nn.Sequential) -> None:
+            parallelize_module(m, mesh2["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+        return mesh2["dp"], tp
+    if case == "world1":
+        sub, _ = dist.new_subgroups(group_size=1)
+        return DeviceMesh.from_group(sub, "cpu"), lambda m: None
+    return DeviceMesh.from_group(group, "cpu"), lambda m: None
+
+
+def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
+    from steptune.comm.config import TideFallbackWarning
+    from steptune.comm.fsdp import enable_tide
+
+    mesh, prepare = _mesh(case, group)
+    stock = _model()
+    tide = copy.deepcopy(stock)
+    for m in (stock, tide):
+        prepare(m)
+        _shard(m, case, mesh, group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = enable_tide(tide)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, tide)]
+    for step in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        for m, opt in zip((stock, tide), opts, strict=True):
+            m(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    equal = all(
+        torch.equal(
+            a.full_tensor() if hasattr(a, "full_tensor") else a,
+            b.full_tensor() if hasattr(b, "full_tensor") else b,
+        )
+        for a, b in zip(stock.parameters(), tide.parameters(), strict=True)
+    )
+    handle.disable()
+    return {
+        "groups": handle.groups,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, TideFallbackWarning)],
+        "bitwise_equal": equal,
+    }
