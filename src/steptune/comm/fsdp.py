@@ -62,6 +62,7 @@ class _Patch:
     refs = 0
     originals: ClassVar[dict[str, Any]] = {}
     meters: ClassVar[list[CommMeter]] = []
+    warned_compiled = False
 
 
 def _check_signatures() -> str | None:
@@ -118,7 +119,18 @@ def _counting(meter: CommMeter | None) -> contextlib.AbstractContextManager[Any]
 
 def _state(fsdp_params: list[Any]) -> GroupState | None:
     st = fsdp_params[0].__dict__.get("_tide_state") if fsdp_params else None
-    return st if st is not None and st.active and not _in_compiled_autograd() else None
+    if st is None or not st.active:
+        return None
+    if _in_compiled_autograd():
+        if not _Patch.warned_compiled:
+            _Patch.warned_compiled = True
+            warnings.warn(
+                "TIDE: compiled autograd is tracing FSDP2's collectives; stock FSDP2 runs them instead",
+                TideFallbackWarning,
+                stacklevel=3,
+            )
+        return None
+    return st
 
 
 def _in_compiled_autograd() -> bool:

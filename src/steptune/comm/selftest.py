@@ -38,14 +38,15 @@ def _check(group: Any, device: torch.device, config: TideConfig) -> str | None:
         first, rows = layout.owner_rows(p, rank)
         shards.append(t[first : first + rows].reshape(-1).to(device))
     slot = torch.full((layout.slot_numel,), float("nan"), dtype=torch.bfloat16, device=device)
+    out = torch.empty(layout.out_numel, dtype=torch.float32, device=device)
+    grads = [g.reshape(-1).to(device) for g in _tensors(99 + rank, torch.bfloat16)]
+    # Both collectives run on every rank before any check: a rank that stopped early would hang its peers.
     all_gather_into(layout, slot, shards, transport, algorithm=config.ag_algorithm, tag=_TAG)
+    reduce_scatter_into(layout, grads, out, transport, chunk_numel=4, num_slots=2, divide_by=w, tag=_TAG + 64)
     for p, t in enumerate(full):
         got = slot.narrow(0, layout.slot_offset(p), t.numel()).cpu()
         if not torch.equal(got, t.to(torch.bfloat16).reshape(-1)):
             return f"all-gather of parameter {p} {tuple(t.shape)} differs"
-    out = torch.empty(layout.out_numel, dtype=torch.float32, device=device)
-    grads = [g.reshape(-1).to(device) for g in _tensors(99 + rank, torch.bfloat16)]
-    reduce_scatter_into(layout, grads, out, transport, chunk_numel=4, num_slots=2, divide_by=w, tag=_TAG + 64)
     every = [_tensors(99 + q, torch.bfloat16) for q in range(w)]
     for p in range(len(_SHAPES)):
         first, rows = layout.owner_rows(p, rank)

@@ -27,6 +27,7 @@ CASES = {
         "shard_dim1",
         "cpu_offload",
         "world1",
+        "compiled_autograd",
     ),
     4: ("hsdp", "reshard_int", "tensor_parallel"),
 }
@@ -104,16 +105,25 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
     for m in (stock, tide):
         prepare(m)
         _shard(m, case, mesh, group)
+    from torch._dynamo import compiled_autograd
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle = enable_tide(tide)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, tide)]
-    for step in range(2):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
-        for m, opt in zip((stock, tide), opts, strict=True):
-            m(x).float().pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, tide)]
+        if case == "compiled_autograd":
+            # Stands in for compiled autograd tracing the backward: the flag its region sets is what TIDE
+            # checks at every call (real compiled autograd needs torch.compile, too slow for this box).
+            compiled_autograd.in_compiled_autograd_region = True  # type: ignore[attr-defined]
+        try:
+            for step in range(2):
+                x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+                for m, opt in zip((stock, tide), opts, strict=True):
+                    m(x).float().pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+        finally:
+            compiled_autograd.in_compiled_autograd_region = False  # type: ignore[attr-defined]
     equal = all(
         torch.equal(
             a.full_tensor() if hasattr(a, "full_tensor") else a,

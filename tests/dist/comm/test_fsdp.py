@@ -1,0 +1,50 @@
+"""TIDE inside real FSDP2 (spawned gloo ranks): same parameters as stock, fewer bytes copied, bf16 wire."""
+
+import pytest
+
+from steptune.comm.compare import compare_rank
+from steptune.testing.comm_cases import CASES, fallback_rank
+from steptune.testing.spawn import SpawnPool
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_tide_trains_exactly_like_stock_fsdp2(w):
+    with SpawnPool(w, timeout=300, default_group=True) as pool:
+        for model in ("mlp", "qwen3", "llama"):
+            per_rank = pool.run(compare_rank, {"model": model, "steps": 5})
+            r0 = per_rank[0]
+            assert set(r0["groups"].values()) == {"tide"}, r0["groups"]
+            assert not r0["warnings"]
+            for r in per_rank:
+                # bitwise where the summation order matches gloo's, else fp32-rounding close
+                assert r["bitwise_equal"] or r["max_param_rel_diff"] <= 1e-6, (model, r["max_param_rel_diff"])
+            stock, tide = r0["meters"]["stock"], r0["meters"]["tide"]
+            assert tide["calls"] == {"tide_all_gather": stock["calls"]["stock_all_gather"],
+                                     "tide_reduce_scatter": stock["calls"]["stock_reduce_scatter"]}
+            # only the bf16 cast of each local shard remains: at most 1/5 of stock's layout copies
+            assert tide["layout_bytes"] * 5 <= stock["layout_bytes"], (model, tide, stock)
+            assert set(tide["copies_by_op"]) <= {"layout:aten::copy_", "reduce:aten::copy_"}
+            # reduce-scatter wire: bf16, at most half of stock's fp32 bytes (no padding either)
+            assert set(tide["wire_bytes"]["reduce_scatter"]) == {"bfloat16"}
+            assert 2 * tide["wire_bytes"]["reduce_scatter"]["bfloat16"] <= stock["wire_bytes"]["reduce_scatter"]["float32"]
+            assert tide["wire_bytes"]["all_gather"]["bfloat16"] <= stock["wire_bytes"]["all_gather"]["bfloat16"]
+            # Slot-Reuse: reduce-scatter staging came from vacated all-gather slots
+            assert tide["rs_staging_allocated_bytes"] == 0 < stock["rs_staging_allocated_bytes"]
+
+
+@pytest.mark.parametrize("w", sorted(CASES))
+def test_every_fallback_warns_and_matches_stock(w):
+    with SpawnPool(w, timeout=300, default_group=True) as pool:
+        for case in CASES[w]:
+            for r in pool.run(fallback_rank, case):
+                assert r["bitwise_equal"], case
+                if case == "compiled_autograd":  # decided per call, not at enable time
+                    assert set(r["groups"].values()) == {"tide"}
+                    assert len(r["warnings"]) == 1 and "compiled autograd" in r["warnings"][0]
+                    continue
+                stayed = [fqn for fqn, v in r["groups"].items() if v != "tide"]
+                assert stayed, (case, r["groups"])
+                assert len(r["warnings"]) == len(stayed), (case, r["warnings"])
+                assert all("stays on stock FSDP2" in m for m in r["warnings"])
