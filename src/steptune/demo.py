@@ -13,6 +13,7 @@ __all__ = ["register", "run_demo"]
 def run_demo(out_dir: Path) -> Path:
     from rich.console import Console
 
+    from steptune.comm.demo import run_comm_demo
     from steptune.core.demo import run_core_demo
     from steptune.kernels.demo import run_kernels_demo
     from steptune.memory.demo import run_memory_demo
@@ -24,6 +25,7 @@ def run_demo(out_dir: Path) -> Path:
     demos = [
         ("core", run_core_demo),
         ("memory", run_memory_demo),
+        ("comm", run_comm_demo),
         ("pipeline", run_pipeline_demo),
         ("kernels", run_kernels_demo),
         ("resilience", run_resilience_demo),

@@ -53,6 +53,9 @@ def test_demo_writes_report(tmp_path):
     assert (tmp_path / "resilience" / "false_alarms.png").stat().st_size > 0
     assert "Adversarial candidates (softmax): verdicts" in report
     assert (tmp_path / "kernels" / "kernels_demo.json").stat().st_size > 0
+    assert "comm (TIDE): zero-copy FSDP2 collectives on gloo" in report
+    for name in ("comm_bench.json", "rs_staging.png"):
+        assert (tmp_path / "comm" / name).stat().st_size > 0
 
 
 def test_python_dash_m_entry():

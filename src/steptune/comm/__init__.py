@@ -1,5 +1,27 @@
-"""steptune.comm: TIDE, zero-copy, layout-aware FSDP2 all-gather and bf16->fp32 reduce-scatter. Not
-built yet (issues #9, #10).
+"""steptune.comm: TIDE, zero-copy, layout-aware FSDP2 all-gather and bf16->fp32 reduce-scatter.
+
+Built (issue #9): the layout plan, P2P transports, all-gather into per-parameter storage (direct, recursive
+doubling), the bf16 -> fp32 reduce-scatter with K-slot staging and Slot-Reuse, ``enable_tide`` for models
+wrapped with ``fully_shard`` (fallbacks, self-test), measured accounting and the gloo benchmark.
+Not built yet (issue #10): the calibrated 16-64 GPU cost model and single-GPU microbenchmarks.
 """
 
-__all__: list[str] = []
+from steptune.comm.accounting import CommMeter
+from steptune.comm.ag import all_gather_into
+from steptune.comm.config import TideConfig, TideFallbackWarning
+from steptune.comm.fsdp import TideHandle, enable_tide, measure
+from steptune.comm.layout import GroupLayout, ParamSpec
+from steptune.comm.rs import reduce_scatter_into
+
+__all__ = [
+    "CommMeter",
+    "GroupLayout",
+    "ParamSpec",
+    "TideConfig",
+    "TideFallbackWarning",
+    "TideHandle",
+    "all_gather_into",
+    "enable_tide",
+    "measure",
+    "reduce_scatter_into",
+]

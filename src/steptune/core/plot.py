@@ -8,7 +8,7 @@ from typing import Any
 
 from steptune.core.trace import Span
 
-__all__ = ["bars", "gantt", "pareto"]
+__all__ = ["bars", "gantt", "lines", "pareto"]
 
 
 def _pyplot() -> Any:
@@ -103,4 +103,29 @@ def bars(
         ax.axhline(reference, color="gray", linestyle="--")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
+    return _save(fig, path)
+
+
+def lines(
+    xs: Sequence[float],
+    series: dict[str, Sequence[float]],
+    path: str | Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+) -> Path:
+    """One line (with markers) per named series over the same x values."""
+    for name, ys in series.items():
+        if len(ys) != len(xs):
+            raise ValueError(f"series {name!r} has {len(ys)} values for {len(xs)} x values")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, ys in series.items():
+        ax.plot(list(xs), list(ys), marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
     return _save(fig, path)

@@ -1,0 +1,43 @@
+"""`steptune comm bench`: JSON in the issue's shape, tables and the staging plot (small settings)."""
+
+import json
+
+import pytest
+
+import steptune.comm.bench as bench
+from steptune.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_comm_bench_writes_json_and_plot(tmp_path, monkeypatch, capsys):
+    real_fsdp, real_rs = bench.fsdp_bench, bench.rs_staging_bench
+    monkeypatch.setattr(bench, "fsdp_bench", lambda *a, **k: real_fsdp((2,), ("mlp",), steps=2))
+    monkeypatch.setattr(
+        bench, "rs_staging_bench", lambda *a, **k: real_rs((2, 3), rows_per_rank=8, cols=8, reps=1)
+    )
+    out = tmp_path / "comm.json"
+    assert main(["comm", "bench", "--quick", "--json", str(out)]) == 0
+    gloo = json.loads(out.read_text())["gloo"]
+    assert set(gloo) >= {
+        "max_param_rel_diff",
+        "layout_bytes",
+        "wire_bytes",
+        "rs_staging_bytes",
+        "step_time_s",
+    }
+    assert gloo["bitwise_equal"] and gloo["max_param_rel_diff"] == 0.0
+    assert 5 * gloo["layout_bytes"]["tide"] <= gloo["layout_bytes"]["stock"]
+    assert gloo["wire_bytes"]["tide"]["reduce_scatter"] == {
+        "bfloat16": gloo["runs"][0]["wire_bytes"]["tide"]["reduce_scatter"]["bfloat16"]
+    }
+    assert set(gloo["rs_staging_bytes"]["stock"]) == {"2", "3"}
+    assert out.with_suffix(".staging.png").stat().st_size > 0
+    text = capsys.readouterr().out
+    assert "wrote:" in text and "FSDP2 on gloo" in text
+
+
+def test_comm_bench_needs_a_json_path(capsys):
+    with pytest.raises(SystemExit):
+        main(["comm", "bench"])
+    assert "--json" in capsys.readouterr().err
