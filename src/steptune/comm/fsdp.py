@@ -222,7 +222,10 @@ def _param_groups(module: nn.Module) -> list[Any]:
     groups, seen = [], set()
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            for g in m._get_fsdp_state()._fsdp_param_groups:
+            state = m._get_fsdp_state()
+            # torch 2.13 has one or more groups per state; 2.11 exactly one (or None)
+            many = getattr(state, "_fsdp_param_groups", None)
+            for g in many if many is not None else [g for g in [state._fsdp_param_group] if g is not None]:
                 if id(g) not in seen:
                     seen.add(id(g))
                     groups.append(g)

@@ -28,6 +28,8 @@ CASES = {
         "cpu_offload",
         "world1",
         "compiled_autograd",
+        "extension",
+        "unsupported_internals",
     ),
     4: ("hsdp", "reshard_int", "tensor_parallel"),
 }
@@ -107,9 +109,23 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
         _shard(m, case, mesh, group)
     from torch._dynamo import compiled_autograd
 
+    import steptune.comm.fsdp as tide_fsdp
+
+    saved = dict(tide_fsdp._SIGNATURES)
+    local = next(m for m in tide if isinstance(m, nn.Linear)).weight._local_tensor
+    if case == "extension":
+        # Detection only: FSDP2 treats a local tensor with fsdp_pre_all_gather as an extension. The marker is
+        # removed again before training, so both models then train on stock (a real extension is untested).
+        local.fsdp_pre_all_gather = None
+    if case == "unsupported_internals":  # as a torch whose FSDP2 internals changed would look
+        tide_fsdp._SIGNATURES["foreach_reduce"] = "fsdp_params unsharded_grads something_else"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        handle = enable_tide(tide)
+        try:
+            handle = enable_tide(tide)
+        finally:
+            tide_fsdp._SIGNATURES.update(saved)
+            local.__dict__.pop("fsdp_pre_all_gather", None)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, tide)]
         if case == "compiled_autograd":
             # Stands in for compiled autograd tracing the backward: the flag its region sets is what TIDE
