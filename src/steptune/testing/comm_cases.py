@@ -30,6 +30,7 @@ CASES = {
         "compiled_autograd",
         "extension",
         "unsupported_internals",
+        "self_test_fails",
     ),
     4: ("hsdp", "reshard_int", "tensor_parallel"),
 }
@@ -119,12 +120,20 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
         local.fsdp_pre_all_gather = None
     if case == "unsupported_internals":  # as a torch whose FSDP2 internals changed would look
         tide_fsdp._SIGNATURES["foreach_reduce"] = "fsdp_params unsharded_grads something_else"
+    import steptune.comm.selftest as selftest
+
+    real_check = selftest._check
+    if case == "self_test_fails":  # one rank's collectives come out wrong: every rank must fall back
+        selftest._check = lambda g, d, c: (
+            real_check(g, d, c) or ("corrupted on rank 1" if rank == 1 else None)
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             handle = enable_tide(tide)
         finally:
             tide_fsdp._SIGNATURES.update(saved)
+            selftest._check = real_check
             local.__dict__.pop("fsdp_pre_all_gather", None)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, tide)]
         if case == "compiled_autograd":
