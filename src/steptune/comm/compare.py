@@ -107,6 +107,11 @@ def compare_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle = enable_tide(tide, TideConfig(**spec.get("config", {})))
+    try:
+        enable_tide(tide)
+        refused_twice = False
+    except ValueError:
+        refused_twice = True
     models = {"stock": stock, "tide": tide}
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for k, m in models.items()}
     meters: dict[str, Any] = {}
@@ -136,6 +141,7 @@ def compare_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
         "groups": handle.groups,
         "warnings": [str(w.message) for w in caught],
         "bitwise_equal": bitwise,
+        "refused_second_enable": refused_twice,
         "max_param_rel_diff": max_rel,
         "meters": {k: m.summary() for k, m in meters.items()},
         "step_time_s": times,

@@ -299,6 +299,10 @@ def enable_tide(module: nn.Module, config: TideConfig | None = None) -> TideHand
         raise ValueError(
             "no FSDP2 parameter groups under this module: call fully_shard(...) before enable_tide"
         )
+    if any("_tide_state" in fp.__dict__ for g in groups for fp in g.fsdp_params):
+        raise ValueError(
+            "TIDE is already enabled on this module: call handle.disable() before enabling it again"
+        )
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
     fqns = {id(g): ",".join(names.get(id(m), "?") for m in g.modules) for g in groups}
     reasons = {fqns[id(g)]: _ineligible(g) for g in groups}

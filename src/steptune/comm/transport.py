@@ -27,6 +27,7 @@ __all__ = [
     "ProcessGroupP2P",
     "Transport",
     "WireStats",
+    "nccl_version",
     "select_transport",
 ]
 
@@ -164,6 +165,19 @@ class Loopback:
         return self.hub._post((peer, self.rank, tag), dst, False)
 
 
+MIN_NCCL = (2, 18)
+"""Grouped P2P on tensor views works from here on; the paper's zero-SM APIs (2.29-2.31+) are not used."""
+
+
+def nccl_version() -> tuple[int, ...]:
+    """NCCL's version as a tuple, ``(0,)`` without CUDA or NCCL."""
+    try:
+        v = torch.cuda.nccl.version()
+    except Exception:  # a CPU build has no NCCL
+        return (0,)
+    return tuple(v) if isinstance(v, tuple) else (v // 10000, v // 100 % 100, v % 100)
+
+
 def select_transport(group: Any, device: torch.device) -> ProcessGroupP2P:
     """The P2P transport for ``group`` on ``device``; says what to change when the pair is unsupported."""
     backend = str(group.name() if hasattr(group, "name") else "").lower()
@@ -176,6 +190,9 @@ def select_transport(group: Any, device: torch.device) -> ProcessGroupP2P:
             raise ValueError(f"CUDA tensors need an NCCL group for TIDE's P2P, got backend {backend!r}")
         if not torch.cuda.is_available():
             raise ValueError("an NCCL group without CUDA: TIDE's GPU path needs a CUDA build and device")
+        version = nccl_version()
+        if version < MIN_NCCL:
+            raise ValueError(f"NCCL {version} is older than {MIN_NCCL}, the oldest TIDE's P2P path supports")
         return ProcessGroupP2P(group)
     raise ValueError(
         f"TIDE has no transport for device type {device.type!r} (supported: cpu+gloo, cuda+nccl)"

@@ -17,6 +17,7 @@ def test_tide_trains_exactly_like_stock_fsdp2(w):
             r0 = per_rank[0]
             assert set(r0["groups"].values()) == {"tide"}, r0["groups"]
             assert not r0["warnings"]
+            assert r0["refused_second_enable"]
             for r in per_rank:
                 # bitwise where the summation order matches gloo's, else fp32-rounding close
                 assert r["bitwise_equal"] or r["max_param_rel_diff"] <= 1e-6, (model, r["max_param_rel_diff"])
