@@ -117,6 +117,7 @@ class CommMeter:
         return {
             "layout_bytes": self.copies.total("layout"),
             "reduce_term_bytes": self.copies.total("reduce"),
+            "collective_internal_bytes": self.copies.total("collective"),
             "copies_by_op": {f"{ph}:{op}": b for (ph, op), b in sorted(self.copies.bytes.items())},
             "wire_bytes": {op: dict(d) for op, d in self.wire_bytes.items()},
             "rs_staging_high_water_bytes": self.rs_staging_high_water,

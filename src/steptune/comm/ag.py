@@ -22,7 +22,7 @@ import torch
 from steptune.comm.layout import GroupLayout, Segment, bruck_steps, xor_steps
 from steptune.comm.transport import Transport
 
-__all__ = ["AG_ALGORITHMS", "all_gather_into", "place_own_shards"]
+__all__ = ["AG_ALGORITHMS", "ag_rounds", "all_gather_into", "place_own_shards", "window_segments"]
 
 AG_ALGORITHMS = ("direct", "rd")
 
@@ -45,7 +45,7 @@ def _view(layout: GroupLayout, slot: torch.Tensor, seg: Segment) -> torch.Tensor
     return slot.narrow(0, layout.slot_offset(seg.param) + seg.start, seg.numel)
 
 
-def _rounds(layout: GroupLayout, rank: int, algorithm: str) -> list[tuple[int, int, int, int, int]]:
+def ag_rounds(layout: GroupLayout, rank: int, algorithm: str) -> list[tuple[int, int, int, int, int]]:
     """``(send_peer, send_first, recv_peer, recv_first, count)`` per round."""
     w = layout.world_size
     if algorithm == "direct":
@@ -96,20 +96,20 @@ def all_gather_into(
         raise ValueError(f"{len(shards)} shards for {len(layout.params)} parameters")
     written = place_own_shards(layout, slot, shards, rank)
     for i, (send_peer, send_first, recv_peer, recv_first, count) in enumerate(
-        _rounds(layout, rank, algorithm)
+        ag_rounds(layout, rank, algorithm)
     ):
         for window in _windows(layout, count, max_inflight_bytes):
             works: list[Any] = []
-            for seg in _segments(layout, window, recv_first, count):
+            for seg in window_segments(layout, window, recv_first, count):
                 works.append(transport.irecv(_view(layout, slot, seg), recv_peer, tag + i))
-            for seg in _segments(layout, window, send_first, count):
+            for seg in window_segments(layout, window, send_first, count):
                 works.append(transport.isend(_view(layout, slot, seg), send_peer, tag + i))
             for work in works:
                 work.wait()
     return written
 
 
-def _segments(layout: GroupLayout, window: range, first: int, count: int) -> list[Segment]:
+def window_segments(layout: GroupLayout, window: range, first: int, count: int) -> list[Segment]:
     """Non-empty segments of ranks ``[first, first + count)`` (mod ``W``) for the parameters in ``window``.
 
     A Bruck block may wrap past the last rank: it is two runs, each contiguous per parameter. Sender and

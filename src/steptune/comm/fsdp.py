@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from steptune.comm.accounting import CommMeter
+from steptune.comm.accounting import CommMeter, phase
 from steptune.comm.config import TideConfig, TideFallbackWarning
 from steptune.comm.fsdp_group import SENTINEL, GroupState
 
@@ -77,23 +77,43 @@ def _check_signatures() -> str | None:
     return None
 
 
+def _in_collective_phase(call: Any) -> Any:
+    """Copies a backend makes inside the collective itself (gloo's reduce-scatter copies its result out)
+    are not layout conversion: count them under ``collective``."""
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with phase("collective"):
+            return call(self, *args, **kwargs)
+
+    wrapped.__wrapped__ = call  # type: ignore[attr-defined]
+    return wrapped
+
+
 def _install() -> None:
     if _Patch.refs == 0:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
+
         pg = _fsdp()
         _Patch.originals = {name: getattr(pg, name) for name in _SIGNATURES}
         pg.foreach_all_gather = _all_gather
         pg.foreach_all_gather_copy_out = _copy_out
         pg.foreach_reduce = _reduce
+        for cls in (fc.DefaultAllGather, fc.DefaultReduceScatter):
+            cls.__call__ = _in_collective_phase(cls.__call__)
     _Patch.refs += 1
 
 
 def _uninstall() -> None:
     _Patch.refs -= 1
     if _Patch.refs == 0:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
+
         pg = _fsdp()
         for name, fn in _Patch.originals.items():
             setattr(pg, name, fn)
         _Patch.originals = {}
+        for cls in (fc.DefaultAllGather, fc.DefaultReduceScatter):
+            cls.__call__ = cls.__call__.__wrapped__
 
 
 def _meter() -> CommMeter | None:

@@ -1,0 +1,102 @@
+"""Constants of TIDE's cost model, each with its source; calibration replaces them with measurements.
+
+Rates of the layout kernels come from PyTorch's own measurements on H100 (PR numbers below). On another
+device they are scaled by its HBM bandwidth relative to H100's 3.35 TB/s (an assumption, labelled in
+docs/comm.md) until ``steptune comm calibrate`` replaces them with figures from ``benchmarks/gpu/comm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from steptune.core.specs import DeviceSpec
+
+__all__ = ["H100_HBM", "CommConstants", "calibrated"]
+
+H100_HBM = 3.35e12
+"""H100 SXM HBM3 bytes/s (datasheet): the device the cited kernel rates were measured on."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommConstants:
+    copy_out_bytes_per_s: float = 650e9
+    """FSDP2 all-gather copy-out (``split_with_sizes_copy`` CUDA fast path): 650-700 GB/s of output
+    (pytorch/pytorch PR #115515, merged as PR #117203)."""
+    chunk_cat_elems_per_s: float = 278e9
+    """Reduce-scatter copy-in ``_chunk_cat``, bf16 in, fp32 out: 278 G elements/s on H100 (PR #120678)."""
+    pack_elems_per_s: float = 500e9
+    """Same-dtype bf16 ``_chunk_cat``: 500 G elements/s on H100 (PR #120678); used for the copy-in pack."""
+    cast_elems_per_s: float = 278e9
+    """fp32 -> bf16 cast of the local shard. Assumption: the mixed-dtype rate of PR #120678."""
+    accumulate_elems_per_s: float = 278e9
+    """TIDE-RS fp32 accumulation of bf16 rows (read bf16, read-modify-write fp32). Assumption: the
+    mixed-dtype elementwise rate of PR #120678."""
+    nccl_ctas: int = 16
+    """SMs a default NCCL ring all-gather / reduce-scatter holds while it runs: ~16 on a DGX with 8 NICs
+    (NVIDIA/nccl#689; NCCL CTAs never share an SM with compute)."""
+    symm_rs_ctas: int = 16
+    """SMs of NCCL's symmetric reduce-scatter kernel. Assumption: the same channel count (tuning is open,
+    NVIDIA/nccl#2305)."""
+    tide_acc_ctas: int = 16
+    """SMs TIDE-RS's short accumulation CTAs hold, only while they accumulate. Assumption: the NCCL budget."""
+    gemm_tile: tuple[int, int] = (128, 256)
+    """Output tile of a Hopper bf16 GEMM (CUTLASS sm90 warp-specialized default 128x256), for wave counts."""
+    hbm_contention: float = 0.0
+    """gamma: compute slows by ``1 + gamma * u_hbm`` while communication uses a fraction ``u_hbm`` of HBM
+    bandwidth. 0 until fitted from the H200 interference benchmark (research brief: 0.3-1)."""
+    matmul_efficiency: float = 0.5
+    """Fraction of dense bf16 peak a layer's compute reaches (steptune.core's FSDP step default)."""
+    nvls_reduction: bool = True
+    """Reduce within an NVSwitch domain in the switch (NVLS, multimem ld_reduce); then TIDE's CTAs only
+    accumulate one partial per domain. All three cluster presets have NVSwitch."""
+    rs_chunk_bytes: int = 64 << 20
+    """TIDE-RS staging chunk (bf16 bytes)."""
+    rs_num_slots: int = 2
+    """TIDE-RS staging slots per direction (K)."""
+    calibrated_from: str = ""
+    """Where measured values came from (empty: all constants as cited above)."""
+
+    def for_device(self, device: DeviceSpec) -> CommConstants:
+        """Kernel rates scaled from H100 to ``device`` by HBM bandwidth, unless calibrated on hardware."""
+        if self.calibrated_from:
+            return self
+        s = device.memory_bandwidth / H100_HBM
+        return replace(
+            self,
+            copy_out_bytes_per_s=self.copy_out_bytes_per_s * s,
+            chunk_cat_elems_per_s=self.chunk_cat_elems_per_s * s,
+            pack_elems_per_s=self.pack_elems_per_s * s,
+            cast_elems_per_s=self.cast_elems_per_s * s,
+            accumulate_elems_per_s=self.accumulate_elems_per_s * s,
+        )
+
+
+_CALIBRATABLE = (
+    "copy_out_bytes_per_s",
+    "chunk_cat_elems_per_s",
+    "pack_elems_per_s",
+    "cast_elems_per_s",
+    "accumulate_elems_per_s",
+    "hbm_contention",
+)
+
+
+def calibrated(path: str | Path, base: CommConstants | None = None) -> CommConstants:
+    """Constants with the fitted values of a ``benchmarks/gpu/comm.py`` JSON (its ``"fit"`` section)."""
+    data: dict[str, Any] = json.loads(Path(path).read_text())
+    fit = data.get("fit")
+    if not isinstance(fit, dict):
+        raise ValueError(f"{path}: no 'fit' section; produce it with benchmarks/gpu/comm.py --json")
+    unknown = sorted(set(fit) - set(_CALIBRATABLE))
+    if unknown:
+        raise ValueError(f"{path}: unknown fitted constants {unknown}; known: {list(_CALIBRATABLE)}")
+    for k, v in fit.items():
+        if not isinstance(v, (int, float)) or v < 0 or (k != "hbm_contention" and v == 0):
+            raise ValueError(f"{path}: fitted {k}={v!r} is not a positive number")
+    names = {f.name for f in fields(CommConstants)}
+    assert set(_CALIBRATABLE) <= names
+    device = data.get("device", "unknown device")
+    return replace(base or CommConstants(), **fit, calibrated_from=f"{path} ({device})")
