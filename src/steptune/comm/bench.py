@@ -149,7 +149,7 @@ def rs_staging_bench(
 
 
 def run_bench(*, quick: bool = False, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """The ``{"gloo": ...}`` section of the comm benchmark JSON."""
+    """The comm benchmark JSON: ``"gloo"`` measured on this box, ``"sim"`` the cost model (SIMULATED)."""
     fsdp = fsdp_bench(
         (2, 4) if quick else (2, 3, 4),
         ("mlp", "qwen3") if quick else ("mlp", "qwen3", "llama"),
@@ -171,7 +171,12 @@ def run_bench(*, quick: bool = False, progress: Callable[[str], None] = lambda s
                     agg[op][dt] += b
         return agg
 
+    from steptune.comm.simreport import headline, sim_rows
+
+    progress("cost model (simulated)")
     return {
+        "sim": sim_rows(),
+        "sim_headline": headline(),
         "gloo": {
             "max_param_rel_diff": max(r["max_param_rel_diff"] for r in runs),
             "bitwise_equal": all(r["bitwise_equal"] for r in runs),
@@ -186,5 +191,5 @@ def run_bench(*, quick: bool = False, progress: Callable[[str], None] = lambda s
             },
             "runs": runs,
             "rs_staging": rs,
-        }
+        },
     }

@@ -1,0 +1,60 @@
+"""The comm GPU script's CPU dry run, and calibration of the model from its JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from steptune.cli import main as cli_main
+from steptune.comm.constants import CommConstants, calibrated
+
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu" / "comm.py"
+
+
+@pytest.mark.timeout(240)
+def test_dry_run_measures_every_rate_and_calibrates_the_model(tmp_path: Path, capsys) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_comm", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    out = tmp_path / "comm.json"
+    assert mod.main(["--dry-run", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["dry_run"] is True and res["interference"] is None
+    for key in ("copy_out", "chunk_cat_bf16_fp32", "chunk_cat_bf16", "cast", "accumulate"):
+        assert len(res["rates"][key]) == 2 and all(row["s"] > 0 for row in res["rates"][key])
+    fit = res["fit"]
+    assert set(fit) == {
+        "copy_out_bytes_per_s",
+        "chunk_cat_elems_per_s",
+        "pack_elems_per_s",
+        "cast_elems_per_s",
+        "accumulate_elems_per_s",
+    }
+    consts = calibrated(out)
+    assert (
+        consts.calibrated_from.startswith(str(out))
+        and consts.copy_out_bytes_per_s == fit["copy_out_bytes_per_s"]
+    )
+    assert consts.for_device(None) is consts  # calibrated rates are not rescaled  # type: ignore[arg-type]
+    assert cli_main(["comm", "calibrate", str(out), "--gpus", "16"]) == 0
+    assert "(measured)" in capsys.readouterr().out
+
+
+def test_calibration_refuses_bad_files(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rates": {}}))
+    with pytest.raises(ValueError, match="no 'fit' section"):
+        calibrated(bad)
+    bad.write_text(json.dumps({"fit": {"copy_out_bytes_per_s": -1}}))
+    with pytest.raises(ValueError, match="not a positive number"):
+        calibrated(bad)
+    bad.write_text(json.dumps({"fit": {"warp_speed": 9}}))
+    with pytest.raises(ValueError, match="unknown fitted constants"):
+        calibrated(bad)
+    assert CommConstants().calibrated_from == ""
