@@ -32,6 +32,17 @@ def test_comm_bench_writes_json_and_plot(tmp_path, monkeypatch, capsys):
         "bfloat16": gloo["runs"][0]["wire_bytes"]["tide"]["reduce_scatter"]["bfloat16"]
     }
     assert set(gloo["rs_staging_bytes"]["stock"]) == {"2", "3"}
+    sim = json.loads(out.read_text())["sim"]
+    assert {r["system"] for r in sim} == {"stock", "symmmem", "tide"} and all(r["simulated"] for r in sim)
+    assert set(sim[0]) >= {
+        "model",
+        "gpus",
+        "system",
+        "step_time_s",
+        "layout_share",
+        "rs_sm_time_s",
+        "peak_buffer_bytes",
+    }
     assert out.with_suffix(".staging.png").stat().st_size > 0
     text = capsys.readouterr().out
     assert "wrote:" in text and "FSDP2 on gloo" in text
@@ -41,3 +52,18 @@ def test_comm_bench_needs_a_json_path(capsys):
     with pytest.raises(SystemExit):
         main(["comm", "bench"])
     assert "--json" in capsys.readouterr().err
+
+
+def test_comm_simulate_prints_every_system_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["comm", "simulate", "--model", "llama3.1-70b", "--gpus", "64", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "SIMULATED" in text and all(s in text for s in ("stock", "symm", "tide"))
+    data = json.loads(out.read_text())
+    assert data["simulated"] is True and set(data["systems"]) == {"stock", "symmmem", "tide"}
+    assert data["systems"]["tide"]["step_time_s"] < data["systems"]["stock"]["step_time_s"]
+
+
+def test_comm_simulate_bad_preset_says_which_exist(capsys):
+    assert main(["comm", "simulate", "--model", "gpt-9"]) != 0
+    assert "gpt-9" in capsys.readouterr().err

@@ -2,11 +2,30 @@
 
 import pytest
 
-from steptune.comm.compare import compare_rank
+from steptune.comm.compare import build_model, compare_rank
+from steptune.comm.counts import GroupShapes, predicted_counts
 from steptune.testing.comm_cases import CASES, fallback_rank
 from steptune.testing.spawn import SpawnPool
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+
+def fsdp_groups(name):
+    """The parameter groups fully_shard makes: one per layer (all-gathered twice a step), plus the root's."""
+    model, layers = build_model(name, 0)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    groups = [GroupShapes(tuple(tuple(p.shape) for p in layer.parameters()), 2) for layer in layers]
+    root = tuple(tuple(p.shape) for p in model.parameters() if id(p) not in in_layers)
+    return groups + ([GroupShapes(root, 1)] if root else [])
+
+
+def measured_counts(meter):
+    return {
+        "layout_bytes": meter["layout_bytes"],
+        "reduce_term_bytes": meter["reduce_term_bytes"],
+        "ag_wire_bytes": sum(meter["wire_bytes"]["all_gather"].values()),
+        "rs_wire_bytes": sum(meter["wire_bytes"]["reduce_scatter"].values()),
+    }
 
 
 @pytest.mark.parametrize("w", [2, 3, 4])
@@ -18,7 +37,11 @@ def test_tide_trains_exactly_like_stock_fsdp2(w):
             assert set(r0["groups"].values()) == {"tide"}, r0["groups"]
             assert not r0["warnings"]
             assert r0["refused_second_enable"]
-            for r in per_rank:
+            for rank, r in enumerate(per_rank):
+                # the cost model's byte counts (issue #10) equal what the meters measured, on every rank
+                predicted = predicted_counts(fsdp_groups(model), w, rank, steps=5)
+                for path in ("stock", "tide"):
+                    assert measured_counts(r["meters"][path]) == predicted[path], (model, rank, path)
                 # bitwise where the summation order matches gloo's, else fp32-rounding close
                 assert r["bitwise_equal"] or r["max_param_rel_diff"] <= 1e-6, (model, r["max_param_rel_diff"])
             stock, tide = r0["meters"]["stock"], r0["meters"]["tide"]
