@@ -9,7 +9,7 @@ from steptune.comm.constants import CommConstants
 from steptune.comm.costmodel import SYSTEMS, layer_comm, wave_slowdown
 from steptune.comm.stepmodel import StepConfig, StepResult, simulate_step
 from steptune.core.report import Table
-from steptune.core.specs import cluster_preset, model_preset
+from steptune.core.specs import LayerKind, cluster_preset, model_preset
 
 __all__ = [
     "DEFAULT_CLUSTERS",
@@ -118,7 +118,10 @@ def headline(consts: CommConstants | None = None, cluster: str = "dgx-h100") -> 
     consts = consts or CommConstants()
     res64 = simulate_all("llama3.1-70b", cluster, 64, consts)
     spec = model_preset("llama3.1-70b")
-    out_params = max(layer.params for layer in spec.layers) // 16  # a 70B layer's shard at W = 16
+    decoder = max(
+        layer.params for layer in spec.layers if layer.kind in (LayerKind.DECODER, LayerKind.MOE_DECODER)
+    )
+    out_params = decoder // 16  # a 70B decoder layer's shard at W = 16, kept per GPU as W grows
     sweep = buffer_sweep(out_params, (16, 32, 64), cluster, consts)
     dev = cluster_preset(cluster).device
     return {
