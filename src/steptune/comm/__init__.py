@@ -3,7 +3,9 @@
 Built (issue #9): the layout plan, P2P transports, all-gather into per-parameter storage (direct, recursive
 doubling), the bf16 -> fp32 reduce-scatter with K-slot staging and Slot-Reuse, ``enable_tide`` for models
 wrapped with ``fully_shard`` (fallbacks, self-test), measured accounting and the gloo benchmark.
-Not built yet (issue #10): the calibrated 16-64 GPU cost model and single-GPU microbenchmarks.
+Issue #10: a per-layer cost model of 16-64 GPU steps (``costmodel``, ``stepmodel``, ``simreport``; SIMULATED,
+constants cited in ``constants``), exact byte counts checked against the gloo meters (``counts``), and
+``benchmarks/gpu/comm.py`` + ``calibrate`` to fit the model on one GPU.
 """
 
 from steptune.comm.accounting import CommMeter
