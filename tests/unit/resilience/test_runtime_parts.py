@@ -1,0 +1,35 @@
+"""Pure parts of the resilience runtime: LPT assignment, fault windows, the iteration-threshold baseline."""
+
+import pytest
+
+from steptune.resilience.runtime import IterationThreshold, SlowFault, lpt_assign
+
+
+def test_lpt_gives_a_slow_rank_proportionally_less_work():
+    costs = [1.0] * 40
+    even = lpt_assign(costs, [1.0] * 4)
+    assert sorted(len(x) for x in even) == [10] * 4
+    skewed = lpt_assign(costs, [1.0, 0.5, 1.0, 1.0])
+    assert len(skewed[1]) == 6 and sum(len(x) for x in skewed) == 40
+    assert sorted(i for x in skewed for i in x) == list(range(40))  # every microbatch exactly once
+
+
+def test_fault_window():
+    f = SlowFault(rank=1, factor=1.6, start=5, duration=3)
+    assert [f.factor_at(1, s) for s in range(4, 9)] == [1.0, 1.6, 1.6, 1.6, 1.0]
+    assert f.factor_at(0, 6) == 1.0
+
+
+def test_iteration_threshold_alarms_on_spikes_after_warmup():
+    th = IterationThreshold(0.10, window=10, warmup=5)
+    assert [th.observe(t) for t in [1.0, 5.0, 1.0, 1.0, 1.0]] == [False] * 5
+    assert th.observe(1.2) is True and th.observe(1.05) is False
+
+
+def test_bad_injection_and_layout_say_what_to_write():
+    from steptune.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["resilience", "run", "--bogus"])
+    assert main(["resilience", "run", "--inject", "kill:rank=1"]) != 0
+    assert main(["resilience", "run", "--layout", "dp=2,pp=2"]) != 0
