@@ -1,8 +1,9 @@
 """steptune.resilience: ResiHP. Built so far: the workload model, the microbatch/iteration time
 predictor, the detectors (ResiHP's, fixed threshold, change point, heartbeat), scored on simulated
 runs and on a real 128-GPU trace, and the progressive TP -> PP -> DP planner (pure functions, unit
-tested). Not built yet: the baseline policies and the 256-GPU simulator that would measure the
-planner's throughput (issue #7), and the real runtime (issue #8).
+tested), the baseline policies and the 256-GPU simulator (issue #7), and the first part of the
+real runtime (issue #8): ``Runtime`` for live training loops (fail-slow detection, DP rebalancing,
+emulated device time). Not built yet: fail-stop survival, PP repartition, TP exclusion.
 """
 
 from steptune.resilience.detect import (
@@ -15,6 +16,7 @@ from steptune.resilience.detect import (
 )
 from steptune.resilience.plan import ClusterState, ExecutionPlan, progressive_replan
 from steptune.resilience.predict import PredictorConfig, WorkloadPredictor
+from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
 from steptune.resilience.workload import LENGTH_PRESETS, LengthDist, StageModel
 
 __all__ = [
@@ -29,6 +31,9 @@ __all__ = [
     "PredictorConfig",
     "ResiHPConfig",
     "ResiHPDetector",
+    "Runtime",
+    "RuntimeConfig",
+    "SlowFault",
     "StageModel",
     "WorkloadPredictor",
     "progressive_replan",
