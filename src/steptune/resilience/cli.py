@@ -254,6 +254,30 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _failstop(args: argparse.Namespace) -> int:
+    from steptune.resilience.failstop import compare_failstop
+
+    res = compare_failstop(
+        {"ranks": args.ranks, "steps": args.steps, "kill_rank": args.kill_rank, "kill_step": args.kill_step,
+         "checkpoint_every": args.checkpoint_every, "time_scale": args.time_scale, "seed": args.seed}
+    )  # fmt: skip
+    w, d = res["wall_s"], res["max_loss_rel_diff"]
+    print(f"SIGKILL rank {args.kill_rank} before step {args.kill_step}'s all-reduce")
+    print(f"survivors: {res['survivors']}")
+    print(f"steps completed: {res['steps_completed']}")
+    print(
+        f"max loss difference vs the failure-free run: survive {d['survive']:.2e}, restart {d['restart']:.2e}"
+    )
+    print(f"wall s (incl. spawning): failure-free {w['reference']:.1f}, "
+          f"survive in place {w['survive']:.1f}, restart-everything (checkpoint every "
+          f"{args.checkpoint_every} steps) {w['restart']:.1f}")  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote: {args.json}")
+    return 0
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "resilience",
@@ -291,6 +315,24 @@ def register(sub: Any) -> None:
     run.add_argument("--compare", action="store_true", help="healthy vs unmitigated vs adapted, same seeds")
     run.add_argument("--json", type=Path, default=None, help="with --compare: write the results here")
     run.set_defaults(func=_run)
+    fs = verbs.add_parser(
+        "failstop",
+        help="MEASURED: SIGKILL one DP rank; survivors continue in place vs torchrun-style restart",
+        description="Three runs with the same seeds: failure-free, one rank SIGKILLed mid-step with the "
+        "survivors rebuilding their gloo group and redoing the step, and restart-everything from the last "
+        "checkpoint. Prints the loss difference against the failure-free run and the wall times.",
+    )
+    fs.add_argument("--ranks", type=int, default=4)
+    fs.add_argument("--steps", type=int, default=20)
+    fs.add_argument("--kill-rank", type=int, default=2)
+    fs.add_argument("--kill-step", type=int, default=11)
+    fs.add_argument(
+        "--checkpoint-every", type=int, default=5, help="the restart baseline's checkpoint interval"
+    )
+    fs.add_argument("--time-scale", type=float, default=0.01)
+    fs.add_argument("--seed", type=int, default=0)
+    fs.add_argument("--json", type=Path, default=None)
+    fs.set_defaults(func=_failstop)
     t = verbs.add_parser("trace", help="replay the real 128-GPU straggler trace through every detector")
     t.add_argument("--path", type=Path, default=None, help="trace parquet (default: the shared copy)")
     t.set_defaults(func=_trace)

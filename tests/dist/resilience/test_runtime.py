@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
 
 def test_detects_rebalances_and_trains_identically():
-    res = compare({"steps": 36, "time_scale": 0.01, "faults": [{"rank": 1, "factor": 1.6, "start": 18}]})
+    res = compare({"steps": 30, "time_scale": 0.008, "faults": [{"rank": 1, "factor": 1.6, "start": 16}]})
     assert res["false_alarms"] == 0  # ResiHP in the healthy run
     assert res["detected_rank"] == 1 and 0 <= res["detection_delay_steps"] <= 3
     assert abs(res["estimated_slowdown"] / 1.6 - 1) < 0.15

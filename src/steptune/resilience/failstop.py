@@ -1,0 +1,267 @@
+"""Fail-stop survival without restarting the survivors (DP), and torchrun's restart-everything baseline.
+
+Contract. The launcher (this process) owns the ``TCPStore``; workers only connect to it, so the store
+outlives any rank. Workers train data-parallel on gloo groups named by generation (``gen0``, ``gen1``, ...).
+When a rank dies, its peers' next collective fails within milliseconds: they drop their group, publish
+``alive/<gen>/<rank>``, and wait for ``members/<gen>``, which the launcher writes once it has seen the death.
+They then build a new group among the survivors and agree on the last step every survivor completed (an
+all-reduce MIN). A survivor that got further rolls back to its snapshot of that step. The safe point is the
+start of a step: parameters and optimizer state are snapshotted there. The interrupted step is redone with
+its whole global batch re-assigned to the survivors. Losses are token-weighted sums all-reduced with SUM,
+so the update does not depend on how many ranks share the batch, and the loss trajectory matches a
+failure-free run up to fp32 summation order.
+
+In DP every rank holds the full model and optimizer state, so nothing has to be copied from peers. PP and
+TP (a stage's only copy lost) need state from DP peers or a checkpoint; neither is built.
+
+The baseline kills every rank when one dies, as torchrun does, then starts ``N - 1`` fresh processes from
+the last checkpoint (written every ``checkpoint_every`` steps) and redoes the steps since then.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from steptune.core.dist import abort_group, connect_store, master_store, new_gloo_group
+from steptune.resilience.runtime import lpt_assign
+from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
+
+__all__ = ["compare_failstop", "run_failstop"]
+
+PROXY_MAX = 16
+
+
+def _stage() -> StageModel:
+    from steptune.core.specs import cluster_preset, model_preset
+
+    return StageModel(layers=model_preset("llama3.1-8b").layers, device=cluster_preset("dgx-h100").device)
+
+
+def _batch(seed: int, step: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    mbs = pack(np.random.default_rng((seed, step)), LENGTH_PRESETS["code"], 32768, 16)
+    toks = [
+        torch.randint(0, 64, (1, min(PROXY_MAX, max(1, sum(mb) // 2048)) + 1),
+                      generator=torch.Generator().manual_seed(seed * 100003 + step * 1000 + i))
+        for i, mb in enumerate(mbs)
+    ]  # fmt: skip
+    return mbs, toks
+
+
+def _model(seed: int) -> nn.Module:
+    from steptune.pipeline.stages import tiny_decoder_layers
+
+    return nn.Sequential(
+        *tiny_decoder_layers(vocab=64, hidden=32, num_layers=2, seq_len=PROXY_MAX, seed=seed)
+    )
+
+
+def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, seed: int, step: int,
+                stage: StageModel, time_scale: float, die_before_allreduce: bool) -> float:  # fmt: skip
+    from steptune.pipeline.stages import lm_loss
+
+    mbs, toks = _batch(seed, step)
+    total = sum(t.shape[1] - 1 for t in toks)
+    costs = [sum(stage.time(mb, p) for p in ("F", "B", "W")) for mb in mbs]
+    loss_sum = torch.zeros(())
+    for i in lpt_assign(costs, [1.0] * world)[rank]:
+        t0 = time.perf_counter()
+        x = toks[i]
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:]) * (x.shape[1] - 1) / total
+        loss.backward()
+        loss_sum += loss.detach()
+        rest = costs[i] * time_scale - (time.perf_counter() - t0)
+        if rest > 0:
+            time.sleep(rest)
+    if die_before_allreduce:
+        os.kill(os.getpid(), signal.SIGKILL)  # a hard failure, mid-step, before the gradients are shared
+    flat = torch.cat(
+        [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()]
+    )
+    group.allreduce([flat]).wait()
+    group.allreduce([loss_sum]).wait()
+    off = 0
+    for p in model.parameters():
+        p.grad = flat[off : off + p.numel()].view_as(p).clone()
+        off += p.numel()
+    opt.step()
+    opt.zero_grad()
+    return float(loss_sum)
+
+
+def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) -> None:
+    torch.set_num_threads(1)
+    seed, steps, scale = int(spec["seed"]), int(spec["steps"]), float(spec["time_scale"])
+    timeout = datetime.timedelta(seconds=20)
+    store = connect_store(port, timeout=datetime.timedelta(seconds=60))
+    stage = _stage()
+    members, gen = list(spec.get("members", range(world))), int(spec.get("gen", 0))
+    model = _model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step, losses = 0, {}
+    ckpt = spec.get("checkpoint")
+    if spec.get("resume") and ckpt and Path(ckpt).exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, losses = state["step"], state["losses"]
+    group = new_gloo_group(store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout)
+    snapshots: dict[int, Any] = {}
+    while step < steps:
+        snapshots = {step: (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))}
+        die = orig == spec.get("kill_rank") and step == spec.get("kill_step") and not spec.get("resume")
+        try:
+            losses[step] = _train_step(
+                model, opt, group, members.index(orig), len(members), seed, step, stage, scale, die
+            )
+            step += 1
+            if (
+                ckpt
+                and spec.get("checkpoint_every")
+                and step % spec["checkpoint_every"] == 0
+                and orig == members[0]
+            ):
+                torch.save(
+                    {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "losses": losses},
+                    ckpt,
+                )
+        except RuntimeError:
+            if spec.get("mode") == "restart":
+                os._exit(1)  # torchrun: a failed collective ends the worker; the agent tears everything down
+            failed = True
+        else:
+            failed = False
+        if failed:
+            # Survival, outside the except block: the exception's traceback holds the step's frame, which
+            # holds the broken group; peers still blocked on it only fail once its sockets close.
+            abort_group(group)
+            group = None
+            gc.collect()
+            opt.zero_grad()
+            gen += 1
+            store.set(f"alive/{gen}/{orig}", str(step))
+            store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
+            members = json.loads(store.get(f"members/{gen}").decode())
+            group = new_gloo_group(
+                store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout
+            )
+            done = torch.tensor([float(step)])
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MIN
+            group.allreduce([done], opts).wait()
+            resume = int(done.item())
+            if resume != step:  # got further than a peer: back to the common safe point
+                model.load_state_dict(snapshots[resume][0])
+                opt.load_state_dict(snapshots[resume][1])
+                step = resume
+                losses = {k: v for k, v in losses.items() if k < resume}
+    out.put((orig, {k: losses[k] for k in sorted(losses)}, time.time()))
+
+
+def _launch(
+    world: int, spec: dict[str, Any], ctx: Any, store: Any, out: Any, members: list[int]
+) -> dict[int, Any]:
+    return {
+        r: ctx.Process(
+            target=_worker, args=(r, world, store.port, {**spec, "members": members}, out), daemon=True
+        )
+        for r in members
+    }
+
+
+def run_failstop(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one job (``spec["mode"]``: ``survive`` or ``restart``); returns losses by step and wall time."""
+    world = int(spec.get("ranks", 4))
+    ctx = mp.get_context("spawn")
+    store = master_store()
+    out = ctx.Queue()
+    procs = _launch(world, spec, ctx, store, out, list(range(world)))
+    t0 = time.time()
+    for p in procs.values():
+        p.start()
+    gen, alive, finished = 0, set(procs), {}
+    deadline = t0 + float(spec.get("timeout_s", 300))
+    restarts = 0
+    while len(finished) < len(alive) and time.time() < deadline:
+        try:
+            rank, losses, _ = out.get(timeout=0.05)
+            finished[rank] = losses
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r in alive if not procs[r].is_alive() and r not in finished]
+        if not dead:
+            continue
+        alive -= set(dead)
+        if spec.get("mode") == "restart":  # torchrun: stop everyone, start N-1 fresh from the checkpoint
+            for r in alive:
+                procs[r].kill()
+            for r in alive:
+                procs[r].join(5)
+            restarts += 1
+            members = sorted(alive)
+            spec = {**spec, "resume": True, "gen": 100 + restarts}
+            procs.update(_launch(world, spec, ctx, store, out, members))
+            for r in members:
+                procs[r].start()
+        else:
+            gen += 1
+            store.set(f"members/{gen}", json.dumps(sorted(alive)))
+    wall = time.time() - t0
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+    if len(finished) < len(alive):
+        raise TimeoutError(
+            f"fail-stop run did not finish in {spec.get('timeout_s', 300)} s ({sorted(finished)} done)"
+        )
+    losses = next(iter(finished.values()))
+    return {
+        "mode": spec.get("mode"),
+        "wall_s": wall,
+        "losses": losses,
+        "survivors": sorted(alive),
+        "restarts": restarts,
+    }
+
+
+def compare_failstop(spec: dict[str, Any]) -> dict[str, Any]:
+    """Failure-free reference, survival, and torchrun-style restart from a checkpoint, same seeds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = {"ranks": 4, "steps": 20, "seed": 0, "time_scale": 0.01, **spec}
+        ref = run_failstop({**base, "mode": "survive", "kill_rank": None})
+        survive = run_failstop({**base, "mode": "survive"})
+        restart = run_failstop({**base, "mode": "restart", "checkpoint": str(Path(tmp) / "ckpt.pt"),
+                                "checkpoint_every": int(spec.get("checkpoint_every", 5))})  # fmt: skip
+    steps = sorted(ref["losses"])
+
+    def diff(run: dict[str, Any]) -> float:
+        return max(
+            abs(run["losses"][k] - ref["losses"][k]) / max(abs(ref["losses"][k]), 1e-12) for k in steps
+        )
+
+    return {
+        "spec": base,
+        "steps_completed": {
+            m: len(r["losses"]) for m, r in (("reference", ref), ("survive", survive), ("restart", restart))
+        },
+        "max_loss_rel_diff": {"survive": diff(survive), "restart": diff(restart)},
+        "wall_s": {"reference": ref["wall_s"], "survive": survive["wall_s"], "restart": restart["wall_s"]},
+        "survivors": survive["survivors"],
+        "losses": {"reference": ref["losses"], "survive": survive["losses"], "restart": restart["losses"]},
+    }
