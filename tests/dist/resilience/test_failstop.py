@@ -11,9 +11,10 @@ def test_survivors_continue_in_place_and_match_the_failure_free_run():
     res = compare_failstop(
         {"ranks": 4, "steps": 12, "kill_rank": 2, "kill_step": 7, "checkpoint_every": 4, "time_scale": 0.005}
     )
-    assert res["survivors"] == [0, 1, 3]
-    assert res["steps_completed"] == {"reference": 12, "survive": 12, "restart": 12}
+    summary = {k: v for k, v in res.items() if k != "losses"}
+    assert res["survivors"] == [0, 1, 3], summary
+    assert res["steps_completed"] == {"reference": 12, "survive": 12, "restart": 12}, summary
     # same data in the same order: the trajectory equals the failure-free one up to fp32 summation order
-    assert res["max_loss_rel_diff"]["survive"] <= 1e-5
-    assert res["max_loss_rel_diff"]["restart"] <= 1e-5
-    assert res["wall_s"]["survive"] < res["wall_s"]["restart"]
+    assert res["max_loss_rel_diff"]["survive"] <= 1e-5, summary
+    assert res["max_loss_rel_diff"]["restart"] <= 1e-5, summary
+    assert res["wall_s"]["survive"] < res["wall_s"]["restart"], summary

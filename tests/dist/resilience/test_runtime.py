@@ -9,14 +9,18 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
 
 def test_detects_rebalances_and_trains_identically():
-    res = compare({"steps": 30, "time_scale": 0.008, "faults": [{"rank": 1, "factor": 1.6, "start": 16}]})
-    assert res["false_alarms"] == 0  # ResiHP in the healthy run
-    assert res["detected_rank"] == 1 and 0 <= res["detection_delay_steps"] <= 3
-    assert abs(res["estimated_slowdown"] / 1.6 - 1) < 0.15
+    res = compare({"steps": 30, "time_scale": 0.01, "faults": [{"rank": 1, "factor": 1.6, "start": 16}]})
+    # everything a failure needs to be diagnosed from the CI log alone
+    summary = {k: v for k, v in res.items() if k not in ("runs", "losses", "spec")}
+    summary["adapted_alarms"] = [(r["step"], r["alarms"]) for r in res["runs"]["adapted"] if r["alarms"]]
+    summary["healthy_alarms"] = [(r["step"], r["alarms"]) for r in res["runs"]["healthy"] if r["alarms"]]
+    assert res["false_alarms"] == 0, summary  # ResiHP in the healthy run
+    assert res["detected_rank"] == 1 and 0 <= res["detection_delay_steps"] <= 3, summary
+    assert abs(res["estimated_slowdown"] / 1.6 - 1) < 0.15, summary
     tp = res["throughput_tokens_per_s"]
-    assert tp["adapted"] > 1.2 * tp["unmitigated"]
-    assert tp["adapted"] > 0.8 * tp["healthy"]
+    assert tp["adapted"] > 1.2 * tp["unmitigated"], summary
+    assert tp["adapted"] > 0.8 * tp["healthy"], summary
     # the update does not depend on which rank ran which microbatch: same losses as the healthy run
     np.testing.assert_allclose(res["losses"]["adapted"], res["losses"]["healthy"], rtol=1e-5)
     speeds = res["runs"]["adapted"][-1]["speeds"]
-    assert speeds[1] < 0.75 and speeds[0] == speeds[2] == speeds[3] == 1.0
+    assert speeds[1] < 0.75 and speeds[0] == speeds[2] == speeds[3] == 1.0, summary
