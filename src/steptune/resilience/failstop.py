@@ -33,56 +33,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from steptune.core.dist import abort_group, connect_store, master_store, new_gloo_group
+from steptune.resilience.live import global_batch, microbatch_loss, proxy_model, stage_model, sum_and_step
 from steptune.resilience.runtime import lpt_assign
-from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
+from steptune.resilience.workload import StageModel
 
 __all__ = ["compare_failstop", "run_failstop"]
-
-PROXY_MAX = 16
-
-
-def _stage() -> StageModel:
-    from steptune.core.specs import cluster_preset, model_preset
-
-    return StageModel(layers=model_preset("llama3.1-8b").layers, device=cluster_preset("dgx-h100").device)
-
-
-def _batch(seed: int, step: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    mbs = pack(np.random.default_rng((seed, step)), LENGTH_PRESETS["code"], 32768, 16)
-    toks = [
-        torch.randint(0, 64, (1, min(PROXY_MAX, max(1, sum(mb) // 2048)) + 1),
-                      generator=torch.Generator().manual_seed(seed * 100003 + step * 1000 + i))
-        for i, mb in enumerate(mbs)
-    ]  # fmt: skip
-    return mbs, toks
-
-
-def _model(seed: int) -> nn.Module:
-    from steptune.pipeline.stages import tiny_decoder_layers
-
-    return nn.Sequential(
-        *tiny_decoder_layers(vocab=64, hidden=32, num_layers=2, seq_len=PROXY_MAX, seed=seed)
-    )
 
 
 def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, seed: int, step: int,
                 stage: StageModel, time_scale: float, die_before_allreduce: bool) -> float:  # fmt: skip
-    from steptune.pipeline.stages import lm_loss
-
-    mbs, toks = _batch(seed, step)
+    mbs, toks = global_batch(seed, step)
     total = sum(t.shape[1] - 1 for t in toks)
     costs = [sum(stage.time(mb, p) for p in ("F", "B", "W")) for mb in mbs]
     loss_sum = torch.zeros(())
     for i in lpt_assign(costs, [1.0] * world)[rank]:
         t0 = time.perf_counter()
-        x = toks[i]
-        loss = lm_loss(model(x[:, :-1]), x[:, 1:]) * (x.shape[1] - 1) / total
+        loss = microbatch_loss(model, toks[i], total)
         loss.backward()
         loss_sum += loss.detach()
         rest = costs[i] * time_scale - (time.perf_counter() - t0)
@@ -90,18 +61,7 @@ def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, s
             time.sleep(rest)
     if die_before_allreduce:
         os.kill(os.getpid(), signal.SIGKILL)  # a hard failure, mid-step, before the gradients are shared
-    flat = torch.cat(
-        [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()]
-    )
-    group.allreduce([flat]).wait()
-    group.allreduce([loss_sum]).wait()
-    off = 0
-    for p in model.parameters():
-        p.grad = flat[off : off + p.numel()].view_as(p).clone()
-        off += p.numel()
-    opt.step()
-    opt.zero_grad()
-    return float(loss_sum)
+    return sum_and_step(model, opt, group, loss_sum)
 
 
 def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) -> None:
@@ -109,9 +69,9 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
     seed, steps, scale = int(spec["seed"]), int(spec["steps"]), float(spec["time_scale"])
     timeout = datetime.timedelta(seconds=20)
     store = connect_store(port, timeout=datetime.timedelta(seconds=60))
-    stage = _stage()
+    stage = stage_model()
     members, gen = list(spec.get("members", range(world))), int(spec.get("gen", 0))
-    model = _model(seed)
+    model = proxy_model(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     step, losses = 0, {}
     ckpt = spec.get("checkpoint")

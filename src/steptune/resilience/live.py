@@ -20,60 +20,92 @@ from torch import nn
 from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
 from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
 
-__all__ = ["compare", "live_rank", "run_live"]
+__all__ = [
+    "compare",
+    "global_batch",
+    "live_rank",
+    "microbatch_loss",
+    "proxy_model",
+    "run_live",
+    "stage_model",
+    "sum_and_step",
+]
 
 PROXY_MAX = 16
 
 
-def _stage(model: str, cluster: str) -> StageModel:
+def stage_model(model: str = "llama3.1-8b", cluster: str = "dgx-h100") -> StageModel:
     from steptune.core.specs import cluster_preset, model_preset
 
     return StageModel(layers=model_preset(model).layers, device=cluster_preset(cluster).device)
 
 
-def live_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    from steptune.pipeline.stages import lm_loss, tiny_decoder_layers
+def global_batch(
+    seed: int, step: int, spec: dict[str, Any] | None = None
+) -> tuple[list[list[int]], list[Any]]:
+    """The step's packed sequence lengths and their token proxies (identical on every rank)."""
+    spec = spec or {}
+    rng = np.random.default_rng((seed, step))
+    mbs = pack(rng, LENGTH_PRESETS[spec.get("lengths", "code")], int(spec.get("token_budget", 32768)),
+               int(spec.get("microbatches", 16)))  # fmt: skip
+    tokens = [torch.randint(0, 64, (1, min(PROXY_MAX, max(1, sum(mb) // 2048)) + 1),
+                            generator=torch.Generator().manual_seed(seed * 100003 + step * 1000 + i))
+              for i, mb in enumerate(mbs)]  # fmt: skip
+    return mbs, tokens
 
+
+def proxy_model(seed: int) -> nn.Module:
+    from steptune.pipeline.stages import tiny_decoder_layers
+
+    return nn.Sequential(
+        *tiny_decoder_layers(vocab=64, hidden=32, num_layers=2, seq_len=PROXY_MAX, seed=seed)
+    )
+
+
+def microbatch_loss(model: nn.Module, x: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """The microbatch's token-weighted share of the global mean loss (the update ignores who ran it)."""
+    from steptune.pipeline.stages import lm_loss
+
+    return lm_loss(model(x[:, :-1]), x[:, 1:]) * (x.shape[1] - 1) / total_tokens
+
+
+def sum_and_step(model: nn.Module, opt: Any, group: Any, loss_sum: torch.Tensor) -> float:
+    """All-reduce (SUM) the gradients and the loss on ``group``, then step; returns the global loss."""
+    flat = torch.cat(
+        [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()]
+    )
+    group.allreduce([flat]).wait()
+    group.allreduce([loss_sum]).wait()
+    off = 0
+    for p in model.parameters():
+        p.grad = flat[off : off + p.numel()].view_as(p).clone()
+        off += p.numel()
+    opt.step()
+    opt.zero_grad()
+    return float(loss_sum)
+
+
+def live_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
     steps, seed = int(spec.get("steps", 60)), int(spec.get("seed", 0))
     faults = [SlowFault(**f) for f in spec.get("faults", [])]
     cfg = RuntimeConfig(
         adapt=bool(spec.get("adapt", True)), time_scale=float(spec.get("time_scale", 0.02)), seed=seed
     )
-    rt = Runtime(
-        group, _stage(spec.get("model", "llama3.1-8b"), spec.get("cluster", "dgx-h100")), cfg, faults=faults
-    )
-    model = nn.Sequential(
-        *tiny_decoder_layers(vocab=64, hidden=32, num_layers=2, seq_len=PROXY_MAX, seed=seed)
-    )
+    stage = stage_model(spec.get("model", "llama3.1-8b"), spec.get("cluster", "dgx-h100"))
+    rt = Runtime(group, stage, cfg, faults=faults)
+    model = proxy_model(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    dist = LENGTH_PRESETS[spec.get("lengths", "code")]
     losses = []
     for step in range(steps):
-        rng = np.random.default_rng((seed, step))
-        mbs = pack(rng, dist, int(spec.get("token_budget", 32768)), int(spec.get("microbatches", 16)))
-        tokens = [torch.randint(0, 64, (1, min(PROXY_MAX, max(1, sum(mb) // 2048)) + 1),
-                                generator=torch.Generator().manual_seed(seed * 100003 + step * 1000 + i))
-                  for i, mb in enumerate(mbs)]  # fmt: skip
+        mbs, tokens = global_batch(seed, step, spec)
         total = sum(t.shape[1] - 1 for t in tokens)
         loss_sum = torch.zeros(())
         for i in rt.assign(mbs):
             with rt.timed(mbs[i]):
-                x = tokens[i]
-                loss = lm_loss(model(x[:, :-1]), x[:, 1:]) * (x.shape[1] - 1) / total
+                loss = microbatch_loss(model, tokens[i], total)
                 loss.backward()
                 loss_sum += loss.detach()
-        flat = torch.cat(
-            [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()]
-        )
-        group.allreduce([flat]).wait()
-        group.allreduce([loss_sum]).wait()
-        off = 0
-        for p in model.parameters():
-            p.grad = flat[off : off + p.numel()].view_as(p).clone()
-            off += p.numel()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss_sum))
+        losses.append(sum_and_step(model, opt, group, loss_sum))
         rt.end_step()
     return {
         "rank": rank,
