@@ -542,6 +542,8 @@ class _Work:
     part: list[tuple[int, ...]]
     mb: list[int]
     total: int
+    per_replica: bool = False
+    """Also consider a partition per replica (needs layer-wise DP gradient sync)."""
 
     def step(
         self, state: ClusterState, tp: _Groups | None = None, part: list[tuple[int, ...]] | None = None
@@ -613,10 +615,18 @@ def _pp_step(state: ClusterState, w: _Work, dur: float, costs: ReconfigCosts, lo
             options.append(plan_pp(state.layer_costs, v, memory=shared_mem, prefer=cur))
     if cur is not None:
         options.append(cur)  # fits: step 1 kept every stage within its memory
-    if options:
+    cands = [[o] * len(w.tp) for o in options]
+    if w.per_replica and len(w.tp) > 1:
+        with contextlib.suppress(ValueError):
+            own = [
+                plan_pp(state.layer_costs, v, memory=mem(c), prefer=p)
+                for v, c, p in zip(speeds, caps, w.part, strict=True)
+            ]
+            if own not in cands:
+                cands.append(own)
+    if cands:
         # Prefer the current partition on ties: moving layers is never free.
-        scored = [(w.step(state, part=[o] * len(w.tp)), o != w.part[0], o) for o in options]
-        new = [min(scored)[2]] * len(w.tp)
+        new = min(cands, key=lambda c: (w.step(state, part=c), c != w.part, c))
     else:
         new = [
             plan_pp(state.layer_costs, v, memory=mem(c), prefer=p)
@@ -630,7 +640,7 @@ def _pp_step(state: ClusterState, w: _Work, dur: float, costs: ReconfigCosts, lo
     if len(set(new)) == 1:
         what = f"{w.part[0]} -> {new[0]} on all replicas"
     else:
-        what = "per replica (memory admits no shared partition): "
+        what = "per replica: " if w.per_replica else "per replica (memory admits no shared partition): "
         what += ", ".join(f"dp{i} {p}" for i, p in zip(w.ids, new, strict=True))
     if should_apply(t0, t1, dur, cost):
         w.part = new
@@ -659,6 +669,7 @@ def progressive_replan(
     *,
     expected_fault_duration_s: float,
     reconfig_costs: ReconfigCosts,
+    per_replica_partitions: bool = False,
 ) -> tuple[ExecutionPlan, list[str]]:
     """ResiHP's scheduler: TP exclusion, then PP repartition, then DP counts, each behind ``should_apply``.
 
@@ -667,8 +678,10 @@ def progressive_replan(
     holding a dead device go first and are forced, and one with no feasible degree drops its replica.
     Step 2 (PP): one partition for all replicas, the best modelled among the current one and
     ``plan_pp`` for the per-stage slowest speeds and for each replica's speeds; per-replica partitions
-    only when memory admits no shared one. Step 3 (DP): exact counts for equal microbatches (the
-    runtime assigns concrete microbatches with ``plan_dp`` and ``migrate``).
+    only when memory admits no shared one, or, with ``per_replica_partitions`` (a runtime whose DP
+    gradient sync is per layer, not per stage), when one per replica models faster. Step 3 (DP):
+    exact counts for equal microbatches (the runtime assigns concrete microbatches with ``plan_dp``
+    and ``migrate``).
     Returns the plan with version + 1 (the input plan itself if nothing changed) and one line per decision.
     """
     total = sum(plan.microbatches)
@@ -681,6 +694,7 @@ def progressive_replan(
         part=list(plan.layer_partition),
         mb=list(plan.microbatches),
         total=total,
+        per_replica=per_replica_partitions,
     )
     log: list[str] = []
     for step in (_tp_step, _pp_step, _dp_step):

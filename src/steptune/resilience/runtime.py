@@ -147,7 +147,8 @@ class Runtime:
         self._last = time.perf_counter()
 
     # -- the plan ------------------------------------------------------------------------------------
-    def _cost(self, lengths: Sequence[int]) -> float:
+    def cost(self, lengths: Sequence[int]) -> float:
+        """Predicted whole-model F+B+W seconds of a microbatch on a healthy device (cost model until warm)."""
         n, q = features(lengths)
         if self.predictor.ready("fb"):
             return max(self.predictor.predict("fb", n, q), 1e-9)
@@ -156,27 +157,45 @@ class Runtime:
     def assign(self, microbatches: Sequence[Sequence[int]]) -> list[int]:
         """Indices of this step's microbatches this rank runs (FLOPs- and speed-aware LPT)."""
         self._tokens = sum(sum(mb) for mb in microbatches)
-        return lpt_assign([self._cost(mb) for mb in microbatches], self.speeds)[self.rank]
+        return lpt_assign([self.cost(mb) for mb in microbatches], self.speeds)[self.rank]
 
     # -- timing --------------------------------------------------------------------------------------
     def slowdown(self) -> float:
         return math.prod(f.factor_at(self.rank, self.step) for f in self.faults)
 
     @contextlib.contextmanager
-    def timed(self, lengths: Sequence[int]) -> Iterator[None]:
-        """Time one microbatch's forward and backward (the block), emulating device time if configured."""
+    def timed(
+        self,
+        lengths: Sequence[int],
+        *,
+        part: StageModel | None = None,
+        phases: Sequence[str] = ("F", "B", "W"),
+    ) -> Iterator[None]:
+        """Time the block: ``phases`` of one microbatch on ``part`` of the model (default: all of it).
+
+        Emulates device time if configured. The sample is scaled to whole-model F+B+W time by the cost
+        model's share of ``part`` and ``phases`` in it, so the predictor and detector compare ranks that
+        hold different layers (pipeline stages) on one scale.
+        """
         cfg = self.config
+        part = part or self.stage
+        nominal = sum(part.time(lengths, p) for p in phases)
+        share = nominal / sum(self.stage.time(lengths, p) for p in ("F", "B", "W"))
         t0 = time.perf_counter()
         yield
         if cfg.emulate:
-            device = sum(self.stage.time(lengths, p) for p in ("F", "B", "W"))
-            device *= self.slowdown() * float(self._rng.lognormal(0.0, cfg.noise_sigma))
+            device = nominal * self.slowdown() * float(self._rng.lognormal(0.0, cfg.noise_sigma))
             rest = device * cfg.time_scale - (time.perf_counter() - t0)
             if rest > 0:
                 time.sleep(rest)
         observed = (time.perf_counter() - t0) / (cfg.time_scale if cfg.emulate else 1.0)
         n, q = features(lengths)
-        self._samples.append((n, q, observed))
+        self._samples.append((n, q, observed / share))
+
+    def sleep_device(self, seconds: float) -> None:
+        """Emulate ``seconds`` of device-side work that is not a microbatch (e.g. moving layers)."""
+        if self.config.emulate and seconds > 0:
+            time.sleep(seconds * self.config.time_scale)
 
     # -- the step boundary (safe point) --------------------------------------------------------------
     def _gather(self) -> list[list[tuple[float, float, float]]]:
@@ -191,7 +210,10 @@ class Runtime:
         self.group.allgather([rows], [mine]).wait()
         return [[tuple(map(float, r)) for r in rows[k][: int(every[k].item())]] for k in range(self.world)]  # type: ignore[misc]
 
-    def end_step(self) -> StepReport:
+    def end_step(self, tokens: int | None = None) -> StepReport:
+        """The safe point; ``tokens``: the step's global tokens when ``assign`` was not used."""
+        if tokens is not None:
+            self._tokens = tokens
         now = time.perf_counter()
         wall = (now - self._last) / (self.config.time_scale if self.config.emulate else 1.0)
         self._last = now

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
-from steptune.core.specs import Phase, cluster_preset, model_preset
+from steptune.core.specs import LayerSpec, Phase, cluster_preset, model_preset
 from steptune.pipeline.anchors import one_f_one_b
 from steptune.pipeline.costs import StageCosts
 from steptune.pipeline.simulate import simulate
@@ -49,6 +49,7 @@ from steptune.resilience.plan import (
     rebalanced,
     should_apply,
 )
+from steptune.resilience.workload import StageModel
 
 __all__ = [
     "CheckpointRestart",
@@ -115,6 +116,11 @@ class SimJob:
     tokens_per_microbatch: int = 4096
     """One packed sequence per microbatch (attention is quadratic over all of it)."""
     cluster: str = "a100-256"
+    microbatch_sq_tokens: float | None = None
+    """Sum of squared sequence lengths of a packed microbatch (attention's term); None: one sequence of
+    ``tokens_per_microbatch`` tokens."""
+    step_overhead_s: float = 0.0
+    """Seconds each step spends outside the pipeline model (gradient sync, optimizer, host); 0: ignored."""
     efficiency: float = 0.5
     """Fraction of the device's peak FLOP/s that layers achieve."""
     checkpoint_interval_s: float = 1800.0
@@ -218,8 +224,15 @@ def layer_phase_times(job: SimJob) -> tuple[tuple[float, ...], tuple[float, ...]
     model = model_preset(job.model)
     rate = cluster_preset(job.cluster).device.peak_flops * job.efficiency
     n = job.tokens_per_microbatch
+
+    def flops(x: LayerSpec, ph: Phase) -> float:
+        if job.microbatch_sq_tokens is None:
+            return x.flops(n, ph)
+        lin, quad = StageModel(layers=(x,), device=cluster_preset(job.cluster).device).coefficients(ph)
+        return lin * n + quad * job.microbatch_sq_tokens
+
     f, b, w = (
-        tuple(max(x.flops(n, ph) / rate, _MIN_LAYER_S / 2) for x in model.layers)
+        tuple(max(flops(x, ph) / rate, _MIN_LAYER_S / 2) for x in model.layers)
         for ph in (Phase.F, Phase.B, Phase.W)
     )
     return f, b, w
@@ -368,11 +381,21 @@ def restart_plan(plan: ExecutionPlan, speeds: tuple[float, ...]) -> ExecutionPla
 
 
 def _try_replan(
-    state: ClusterState, src: ExecutionPlan, duration_s: float, costs: ReconfigCosts
+    state: ClusterState,
+    src: ExecutionPlan,
+    duration_s: float,
+    costs: ReconfigCosts,
+    per_replica: bool = False,
 ) -> ExecutionPlan | None:
     """``progressive_replan`` from ``src``, or None when no replica can survive."""
     try:
-        return progressive_replan(state, src, expected_fault_duration_s=duration_s, reconfig_costs=costs)[0]
+        return progressive_replan(
+            state,
+            src,
+            expected_fault_duration_s=duration_s,
+            reconfig_costs=costs,
+            per_replica_partitions=per_replica,
+        )[0]
     except ValueError:
         return None
 
@@ -425,7 +448,10 @@ class ResiHPPolicy(Memoized):
         detect_slow_steps: float = 2.0,
         expected_slow_s: float = 24 * 60.0,
         false_alarm_s_per_step: float = 0.0,
+        per_replica_partitions: bool = False,
     ) -> None:
+        self.per_replica_partitions = per_replica_partitions
+        """Replan with a layer partition per replica (a runtime with layer-wise gradient sync)."""
         self.detect_stop_steps = detect_stop_steps
         self.detect_slow_steps = detect_slow_steps
         self.expected_slow_s = expected_slow_s
@@ -445,7 +471,7 @@ class ResiHPPolicy(Memoized):
         # horizon pick among them. No candidate means no replica survives: down until devices return.
         cands = [plan]
         for costs, horizon in ((ctx.job.reconfig, dur), (ReconfigCosts(tp_s=0.0, pp_s=0.0), math.inf)):
-            cand = _try_replan(state, plan, horizon, costs)
+            cand = _try_replan(state, plan, horizon, costs, self.per_replica_partitions)
             if cand is not None and cand not in cands:
                 cands.append(cand)
         t_now = ctx.step_time(plan, observed)
@@ -476,7 +502,7 @@ class ResiHPPolicy(Memoized):
             if new != plan and ctx.step_time(new, observed) < ctx.step_time(plan, observed):
                 return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
             return Decision(plan)
-        new = _try_replan(state, ctx.base_plan, math.inf, ctx.job.reconfig)
+        new = _try_replan(state, ctx.base_plan, math.inf, ctx.job.reconfig, self.per_replica_partitions)
         if new is None:
             return Decision(plan)
         cost = reconfig_cost(plan, new, ctx.job.reconfig)
@@ -635,7 +661,7 @@ def run(
             lost += abort - t
             t = abort
             continue
-        st += overhead
+        st += overhead + job.step_overhead_s
         if t + st > duration_s:
             break  # a step cut off by the end of the run counts for nothing
         timeline.append((t, st, plan.version))

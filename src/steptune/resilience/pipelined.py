@@ -1,0 +1,383 @@
+"""A live DP x PP job under ``Runtime``: real pipeline stages over gloo, ResiHP's planner moving layers.
+
+Layout: ``dp`` replicas of a ``pp``-stage pipeline, rank = replica * pp + stage (tp = 1), the device
+numbering of ``plan.initial_plan``. Every rank builds the same tiny decoder (embedding, 32 blocks, head:
+one module per layer of the 8B preset) but owns only its stage's layers; the others are filled with NaN,
+so a layer that was not moved correctly poisons the loss.
+
+Each step:
+- ``plan_dp`` assigns the step's variable-length microbatches to replicas by predicted cost over each
+  replica's modelled throughput (its bottleneck stage under the current partition and detected speeds).
+- Each replica runs 1F1B: activations forward and their gradients backward travel as real gloo
+  send/recv between stage ranks. Every F and B+W is a ``Runtime.timed`` block on this stage's layers
+  (emulated device time x the injected slowdown); waiting for a neighbour is not in the sample.
+- Gradients are summed over the world per layer (each rank contributes the layers it owns; zeros
+  elsewhere). The sync is therefore layer-wise, which is what lets replicas hold different partitions.
+  SGD with momentum then steps the owned layers.
+- ``Runtime.end_step`` gathers the samples, runs predictor and detector and updates the speeds. When
+  the detected speeds change, ``progressive_replan`` (TP -> PP -> DP, ski-rental gated) gives the next
+  plan. Layers whose owner changes travel at this safe point: parameters and momentum buffers, sent by
+  the old owner and received by the new one. The emulated transfer time (16 bytes per parameter of the
+  8B layer over the node's link) is slept on both ends.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from steptune.resilience.live import PROXY_MAX, _throughput, global_batch, stage_model
+from steptune.resilience.plan import (
+    ClusterState,
+    ExecutionPlan,
+    ReconfigCosts,
+    initial_plan,
+    plan_dp,
+    progressive_replan,
+)
+from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
+from steptune.resilience.workload import StageModel, features
+
+__all__ = ["compare_pipelined", "one_f_one_b_order", "parse_layout", "pipelined_rank", "run_pipelined"]
+
+_HIDDEN = 32
+_VOCAB = 64
+_BYTES_PER_PARAM = 16.0
+"""bf16 weights + fp32 master, grads and two Adam moments: what moving a layer costs on a real cluster."""
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """``"dp=2,pp=2"`` -> (dp, pp). TP is not supported live (tp=1)."""
+    out = {"dp": 1, "pp": 1, "tp": 1}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in out or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"layout {text!r}: use comma-separated dp=N,pp=N with N >= 1")
+        out[key.strip()] = int(value)
+    if out["tp"] != 1:
+        raise ValueError(f"layout {text!r}: the live runtime has no tensor parallelism; use tp=1")
+    return out["dp"], out["pp"]
+
+
+def one_f_one_b_order(stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:
+    """This stage's 1F1B order: ``num_stages - stage - 1`` warm-up forwards, then one F one B."""
+    order = [("F", k) for k in range(min(num_stages - stage - 1, m))]
+    f = len(order)
+    for b in range(m):
+        if f < m:
+            order.append(("F", f))
+            f += 1
+        order.append(("B", b))
+    return order
+
+
+def _layers(seed: int, num_blocks: int) -> list[nn.Module]:
+    from steptune.pipeline.stages import tiny_decoder_layers
+
+    return tiny_decoder_layers(
+        vocab=_VOCAB, hidden=_HIDDEN, num_layers=num_blocks, seq_len=PROXY_MAX, seed=seed
+    )
+
+
+def _owned(part: Sequence[int], stage: int) -> range:
+    start = sum(part[:stage])
+    return range(start, start + part[stage])
+
+
+class _Stage:
+    """This rank's view: the full list of layers, the owned range, the optimizer and the transfers."""
+
+    def __init__(self, rank: int, group: Any, layers: list[nn.Module], opt: torch.optim.Optimizer) -> None:
+        self.rank, self.group, self.layers, self.opt = rank, group, layers, opt
+        self.owned: range = range(0)
+
+    def poison(self, idx: int) -> None:
+        with torch.no_grad():
+            for p in self.layers[idx].parameters():
+                p.fill_(math.nan)
+                self.opt.state.pop(p, None)
+
+    def _flat(self, idx: int) -> torch.Tensor:
+        parts = []
+        for p in self.layers[idx].parameters():
+            buf = self.opt.state.get(p, {}).get("momentum_buffer")
+            parts += [p.detach().reshape(-1), (buf if buf is not None else torch.zeros_like(p)).reshape(-1)]
+        return torch.cat(parts)
+
+    def _load(self, idx: int, flat: torch.Tensor) -> None:
+        off = 0
+        with torch.no_grad():
+            for p in self.layers[idx].parameters():
+                n = p.numel()
+                p.copy_(flat[off : off + n].view_as(p))
+                self.opt.state[p] = {"momentum_buffer": flat[off + n : off + 2 * n].view_as(p).clone()}
+                off += 2 * n
+
+    def move(self, moves: list[tuple[int, int, int]]) -> None:
+        """Send or receive each (layer, src rank, dst rank) this rank takes part in, in list order."""
+        works = []
+        for idx, src, dst in moves:
+            if src == self.rank:
+                flat = self._flat(idx)
+                works.append((self.group.send([flat], dst, 1_000_000 + idx), flat))
+            elif dst == self.rank:
+                n = 2 * sum(p.numel() for p in self.layers[idx].parameters())
+                buf = torch.empty(n)
+                self.group.recv([buf], src, 1_000_000 + idx).wait()
+                self._load(idx, buf)
+        for work, _ in works:
+            work.wait()
+        for idx, src, _ in moves:
+            if src == self.rank:
+                self.poison(idx)
+
+
+def _moves(old: ExecutionPlan, new: ExecutionPlan, pp: int) -> list[tuple[int, int, int]]:
+    """(layer, old owner rank, new owner rank) for every layer that changes stage in some replica."""
+    out = []
+    for r, (a, b) in enumerate(zip(old.layer_partition, new.layer_partition, strict=True)):
+        owner_a = [s for s, n in enumerate(a) for _ in range(n)]
+        owner_b = [s for s, n in enumerate(b) for _ in range(n)]
+        out += [
+            (i, r * pp + x, r * pp + y)
+            for i, (x, y) in enumerate(zip(owner_a, owner_b, strict=True))
+            if x != y
+        ]
+    return out
+
+
+def _replica_rates(
+    plan: ExecutionPlan, layer_costs: Sequence[float], speeds: Sequence[float], pp: int
+) -> tuple[list[float], list[float]]:
+    """Per replica: throughput (microbatch cost units per second) and pipeline fill (seconds), modelled."""
+    total = sum(layer_costs)
+    rates, base = [], []
+    for r, part in enumerate(plan.layer_partition):
+        t = [sum(layer_costs[i] for i in _owned(part, s)) / total / speeds[r * pp + s] for s in range(pp)]
+        rates.append(1.0 / max(t))
+        base.append(total * (sum(t) - max(t)))
+    return rates, base
+
+
+def pipelined_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    from steptune.pipeline.stages import lm_loss
+
+    steps, seed = int(spec.get("steps", 60)), int(spec.get("seed", 0))
+    dp, pp = int(spec["dp"]), int(spec["pp"])
+    replica, stage = divmod(rank, pp)
+    cfg = RuntimeConfig(
+        adapt=bool(spec.get("adapt", True)), time_scale=float(spec.get("time_scale", 0.02)), seed=seed
+    )
+    full = stage_model(spec.get("model", "llama3.1-8b"), spec.get("cluster", "dgx-h100"))
+    rt = Runtime(group, full, cfg, faults=[SlowFault(**f) for f in spec.get("faults", [])])
+    num_layers = len(full.layers)
+    layers = _layers(seed, num_layers - 2)
+    opt = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=0.05, momentum=0.9)
+    me = _Stage(rank, group, layers, opt)
+    mbs0, _ = global_batch(seed, 0, spec)
+    ref = [round(sum(features(mb)[0] for mb in mbs0) / len(mbs0))]  # a representative 1-sequence shape
+    layer_costs = tuple(
+        max(sum(StageModel(layers=(x,), device=full.device).time(ref, p) for p in "FBW"), 1e-9)
+        for x in full.layers
+    )
+    link = _link_bandwidth(spec.get("cluster", "dgx-h100"), dp * pp)
+
+    def state(speeds: Sequence[float]) -> ClusterState:
+        return ClusterState(speeds=tuple(min(1.0, v) for v in speeds), layer_costs=layer_costs, num_heads=1)
+
+    plan = initial_plan(
+        state([1.0] * dp * pp), tp=1, pp=pp, dp=dp, global_microbatches=int(spec.get("microbatches", 16))
+    )
+    me.owned = _owned(plan.layer_partition[replica], stage)
+    for i in range(num_layers):
+        if i not in me.owned:
+            me.poison(i)
+    planned_speeds = tuple(rt.speeds)
+    losses, rows = [], []
+    for step in range(steps):
+        mbs, tokens = global_batch(seed, step, spec)
+        total = sum(t.shape[1] - 1 for t in tokens)
+        rates, base = _replica_rates(plan, layer_costs, rt.speeds, pp)
+        assignment = plan_dp([rt.cost(mb) for mb in mbs], rates, base=base)
+        mine = assignment[replica]
+        part = StageModel(layers=tuple(full.layers[i] for i in me.owned), device=full.device)
+        loss_sum = _run_pipeline(rt, me, part, stage, pp, mine, mbs, tokens, total, lm_loss)
+        losses.append(_sync_and_step(me, group, loss_sum))
+        report = rt.end_step(tokens=sum(sum(mb) for mb in mbs))
+        row: dict[str, Any] = {
+            "step": step,
+            "wall_s": report.wall_s,
+            "tokens": report.tokens,
+            "alarms": [(a.unit, round(a.slowdown, 3)) for a in report.alarms],
+            "threshold_alarm": report.threshold_alarm,
+            "speeds": list(report.speeds),
+            "partition": [list(p) for p in plan.layer_partition],
+            "microbatches_per_replica": [len(a) for a in assignment],
+            "rank_compute_s": list(report.rank_compute_s),
+            "plan_log": [],
+        }
+        if cfg.adapt and tuple(rt.speeds) != planned_speeds:
+            planned_speeds = tuple(rt.speeds)
+            new, log = progressive_replan(
+                state(rt.speeds),
+                plan,
+                expected_fault_duration_s=float(spec.get("expected_slow_s", 24 * 60.0)),
+                reconfig_costs=ReconfigCosts(tp_s=1.0, pp_s=float(spec.get("pp_stall_s", 5.0)), dp_s=0.0),
+                per_replica_partitions=bool(spec.get("per_replica_partitions", True)),
+            )
+            row["plan_log"] = log
+            if new.layer_partition != plan.layer_partition:
+                moves = _moves(plan, new, pp)
+                me.move(moves)
+                mine_moved = sum(1 for _, s, d in moves if rank in (s, d))
+                rt.sleep_device(mine_moved * _layer_bytes(full, moves) / link)
+                me.owned = _owned(new.layer_partition[replica], stage)
+                row["moved_layers"] = len(moves)
+            plan = new
+        rows.append(row)
+    return {"rank": rank, "losses": losses, "reports": rows}
+
+
+def _layer_bytes(full: StageModel, moves: list[tuple[int, int, int]]) -> float:
+    if not moves:
+        return 0.0
+    return max(full.layers[i].params for i, _, _ in moves) * _BYTES_PER_PARAM
+
+
+def _link_bandwidth(cluster: str, ranks: int) -> float:
+    from steptune.core.specs import cluster_preset
+
+    c = cluster_preset(cluster)
+    return (c.intra if ranks <= c.gpus_per_node else c.inter).bandwidth
+
+
+def _run_pipeline(
+    rt: Runtime,
+    me: _Stage,
+    part: StageModel,
+    stage: int,
+    pp: int,
+    mine: list[int],
+    mbs: list[list[int]],
+    tokens: list[torch.Tensor],
+    total: int,
+    lm_loss: Any,
+) -> torch.Tensor:
+    """This stage's 1F1B over the replica's microbatches ``mine``; returns the summed weighted loss."""
+    first, last = stage == 0, stage == pp - 1
+    rank = me.rank
+    kept: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+    sends = []
+    loss_sum = torch.zeros(())
+    for kind, k in one_f_one_b_order(stage, pp, len(mine)):
+        i = mine[k]
+        seq = tokens[i].shape[1] - 1
+        if kind == "F":
+            x: torch.Tensor | None = None
+            if first:
+                h = tokens[i][:, :-1]
+            else:
+                x = torch.empty(1, seq, _HIDDEN)
+                me.group.recv([x], rank - 1, 2 * i).wait()
+                x.requires_grad_()
+                h = x
+            with rt.timed(mbs[i], part=part, phases=("F",)):
+                for idx in me.owned:
+                    h = me.layers[idx](h)
+                if last:
+                    h = lm_loss(h, tokens[i][:, 1:]) * seq / total
+            if last:
+                loss_sum += h.detach()
+            else:
+                out = h.detach().contiguous()
+                sends.append((me.group.send([out], rank + 1, 2 * i), out))
+            kept[k] = (x, h)
+        else:
+            x, h = kept.pop(k)
+            grad = None
+            if not last:
+                grad = torch.empty(1, seq, _HIDDEN)
+                me.group.recv([grad], rank + 1, 2 * i + 1).wait()
+            with rt.timed(mbs[i], part=part, phases=("B", "W")):
+                h.backward(grad)
+            if x is not None:
+                assert x.grad is not None
+                g = x.grad.contiguous()
+                sends.append((me.group.send([g], rank - 1, 2 * i + 1), g))
+    for work, _ in sends:
+        work.wait()
+    return loss_sum
+
+
+def _sync_and_step(me: _Stage, group: Any, loss_sum: torch.Tensor) -> float:
+    """Sum every layer's gradient over the world (owners contribute, others add zeros), then step."""
+    params = [(i, p) for i, m in enumerate(me.layers) for p in m.parameters()]
+    flat = torch.cat(
+        [
+            p.grad.reshape(-1) if i in me.owned and p.grad is not None else torch.zeros(p.numel())
+            for i, p in params
+        ]
+    )
+    group.allreduce([flat]).wait()
+    group.allreduce([loss_sum]).wait()
+    off = 0
+    for i, p in params:
+        p.grad = flat[off : off + p.numel()].view_as(p).clone() if i in me.owned else None
+        off += p.numel()
+    me.opt.step()
+    me.opt.zero_grad()
+    return float(loss_sum)
+
+
+def run_pipelined(spec: dict[str, Any]) -> dict[str, Any]:
+    from steptune.testing.spawn import SpawnPool
+
+    with SpawnPool(int(spec["dp"]) * int(spec["pp"]), timeout=600) as pool:
+        return pool.run(pipelined_rank, spec)[0]  # type: ignore[no-any-return]
+
+
+def compare_pipelined(spec: dict[str, Any]) -> dict[str, Any]:
+    """Healthy, unmitigated and adapted runs of the same seeds (the fields of ``live.compare``)."""
+    fault = spec["faults"][0] if spec.get("faults") else None
+    healthy = run_pipelined({**spec, "faults": []})
+    unmitigated = run_pipelined({**spec, "adapt": False})
+    adapted = run_pipelined({**spec, "adapt": True})
+    start = fault["start"] if fault else 0
+    detections = [r["step"] for r in adapted["reports"] if r["alarms"]]
+    window = (detections[0] + 1) if detections else start
+    skip = 5
+    first = max(window, skip)
+    return {
+        "ranks": int(spec["dp"]) * int(spec["pp"]),
+        "spec": spec,
+        "false_alarms": sum(len(r["alarms"]) for r in healthy["reports"]),
+        "fixed_threshold_false_alarms": sum(r["threshold_alarm"] for r in healthy["reports"]),
+        "detection_delay_steps": detections[0] - start if detections else None,
+        "detected_rank": adapted["reports"][detections[0]]["alarms"][0][0] if detections else None,
+        "estimated_slowdown": adapted["reports"][detections[0]]["alarms"][0][1] if detections else None,
+        "throughput_window_from_step": window,
+        "throughput_tokens_per_s": {
+            "healthy": _throughput(healthy["reports"], first),
+            "unmitigated": _throughput(unmitigated["reports"], first),
+            "adapted": _throughput(adapted["reports"], first),
+        },
+        "healthy_step_cv": statistics.pstdev(r["wall_s"] for r in healthy["reports"][skip:])
+        / statistics.mean(r["wall_s"] for r in healthy["reports"][skip:]),
+        "plan_changes": [
+            {"step": r["step"], "log": r["plan_log"], "moved_layers": r.get("moved_layers", 0)}
+            for r in adapted["reports"]
+            if r["plan_log"]
+        ],
+        "partitions": adapted["reports"][-1]["partition"],
+        "losses": {"healthy": healthy["losses"], "adapted": adapted["losses"]},
+        "runs": {
+            "healthy": healthy["reports"],
+            "unmitigated": unmitigated["reports"],
+            "adapted": adapted["reports"],
+        },
+    }
