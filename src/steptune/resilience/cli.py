@@ -221,36 +221,62 @@ def _parse_inject(spec: str) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace) -> int:
     from steptune.resilience.live import compare, run_live
+    from steptune.resilience.livesim import predict_live
+    from steptune.resilience.pipelined import compare_pipelined, parse_layout, run_pipelined
 
-    layout = dict(item.split("=", 1) for item in args.layout.split(","))
-    if set(layout) - {"dp"} or int(layout.get("dp", args.ranks)) != args.ranks:
-        raise ValueError(
-            f"--layout {args.layout!r}: only dp={args.ranks} is built so far (pp/tp adaptation: issue #8)"
-        )
+    dp, pp = parse_layout(args.layout)
+    if dp * pp != args.ranks:
+        raise ValueError(f"--layout {args.layout!r} needs dp*pp = {dp * pp} ranks; got --ranks {args.ranks}")
     faults = [_parse_inject(x) for x in args.inject]
-    spec = {"steps": args.steps, "faults": faults, "time_scale": args.time_scale, "seed": args.seed}
+    for f in faults:
+        if not 0 <= f["rank"] < args.ranks:
+            raise ValueError(f"--inject rank {f['rank']} is outside 0..{args.ranks - 1}")
+    spec: dict[str, Any] = {
+        "steps": args.steps,
+        "faults": faults,
+        "time_scale": args.time_scale,
+        "seed": args.seed,
+    }
+    if pp > 1:
+        spec.update(dp=dp, pp=pp)
     if args.compare:
-        res = compare(spec, args.ranks)
+        res = compare_pipelined(spec) if pp > 1 else compare(spec, args.ranks)
         tp = res["throughput_tokens_per_s"]
         print(f"healthy run: ResiHP false alarms {res['false_alarms']}, fixed 10% threshold "
               f"{res['fixed_threshold_false_alarms']} (step CV {res['healthy_step_cv']:.1%})")  # fmt: skip
         print(f"detection delay {res['detection_delay_steps']} steps, rank {res['detected_rank']}, "
               f"estimated slowdown {res['estimated_slowdown']}")  # fmt: skip
+        for change in res.get("plan_changes", []):
+            print(f"plan change after step {change['step']}: {'; '.join(change['log'])}")
         print(f"throughput from step {res['throughput_window_from_step']} (tokens/s, emulated): healthy "
               f"{tp['healthy']:.0f}, unmitigated {tp['unmitigated']:.0f}, adapted {tp['adapted']:.0f} "
               f"({tp['adapted'] / tp['healthy'] - 1:+.1%} vs healthy, "
               f"{tp['adapted'] / tp['unmitigated']:.2f}x unmitigated)")  # fmt: skip
+        if faults:
+            pred = res["simulated"] = predict_live(res)
+            for name in ("raw", "calibrated"):
+                err = pred[name]["error"]
+                print(
+                    f"simulator ({name}) vs measured: " + ", ".join(f"{k} {v:+.1%}" for k, v in err.items())
+                )
+            print(f"(calibrated: + {pred['calibrated_overhead_s']:.2f} s per step fitted on the healthy run)")
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(res, indent=2) + "\n")
             print(f"wrote: {args.json}")
         return 0
-    out = run_live({**spec, "adapt": not args.no_adapt}, args.ranks)
+    if pp > 1:
+        out = run_pipelined({**spec, "adapt": not args.no_adapt})
+    else:
+        out = run_live({**spec, "adapt": not args.no_adapt}, args.ranks)
     for r in out["reports"]:
         alarms = ", ".join(f"rank {u} x{s}" for u, s in r["alarms"])
         print(f"step {r['step']:3d}  {r['wall_s']:6.2f} s  {r['tokens'] / r['wall_s']:8.0f} tok/s  "
               f"loss {out['losses'][r['step']]:.4f}  speeds {[round(x, 2) for x in r['speeds']]}"
+              + (f"  partition {r['partition']}" if "partition" in r else "")
               + (f"  DETECTED {alarms}" if alarms else ""))  # fmt: skip
+        for line in r.get("plan_log", []):
+            print(f"          plan: {line}")
     return 0
 
 
@@ -302,11 +328,14 @@ def register(sub: Any) -> None:
         help="MEASURED: a real gloo training job with the runtime (emulated device time, injected fail-slow)",
         description="Spawns --ranks processes on loopback gloo: a tiny real decoder, real all-reduce, each "
         "microbatch lasting the emulated H100 time of an 8B model. The Runtime detects the injected "
-        "slowdown and rebalances microbatches. --compare runs healthy, unmitigated and adapted with the same "
-        "seeds.",
+        "slowdown and rebalances microbatches; with pp > 1 the stages are a real 1F1B pipeline and ResiHP's "
+        "planner also moves layers between stages. --compare runs healthy, unmitigated and adapted with the "
+        "same seeds and the simulator's prediction of each.",
     )
     run.add_argument("--ranks", type=int, default=4)
-    run.add_argument("--layout", default="dp=4", help="parallel layout (only dp=N so far)")
+    run.add_argument(
+        "--layout", default="dp=4", help="dp=N or dp=N,pp=M (rank = replica * pp + stage; tp is not live)"
+    )
     run.add_argument("--inject", action="append", default=[], help="slow:rank=R,factor=F,at=S[,for=D]")
     run.add_argument("--steps", type=int, default=80)
     run.add_argument("--time-scale", type=float, default=0.02, help="wall seconds per emulated device second")

@@ -51,6 +51,7 @@ def sim_job_for(spec: dict[str, Any], ranks: int, overhead_s: float = 0.0) -> Si
         tokens_per_microbatch=round(statistics.fmean(ns)),
         microbatch_sq_tokens=statistics.fmean(qs),
         step_overhead_s=overhead_s,
+        memory_bytes=float("inf"),  # the live ranks emulate device time, not device memory
         reconfig=ReconfigCosts(tp_s=1.0, pp_s=float(spec.get("pp_stall_s", 5.0)), dp_s=0.0),
     )
 

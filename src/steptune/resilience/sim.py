@@ -119,6 +119,8 @@ class SimJob:
     microbatch_sq_tokens: float | None = None
     """Sum of squared sequence lengths of a packed microbatch (attention's term); None: one sequence of
     ``tokens_per_microbatch`` tokens."""
+    memory_bytes: float | None = None
+    """Per-device memory for layer state; None: the cluster's device (inf: no memory limit)."""
     step_overhead_s: float = 0.0
     """Seconds each step spends outside the pipeline model (gradient sync, optimizer, host); 0: ignored."""
     efficiency: float = 0.5
@@ -584,7 +586,9 @@ def run(
     if any(f.device >= n for f in failures):
         raise ValueError(f"failure device ids must be < {n} (tp*pp*dp devices of the job)")
     fwd, bwd, nbytes, heads = _layer_times(job)
-    memory = cluster_preset(job.cluster).device.memory_bytes
+    memory = (
+        job.memory_bytes if job.memory_bytes is not None else cluster_preset(job.cluster).device.memory_bytes
+    )
     costs = tuple(a + b for a, b in zip(fwd, bwd, strict=True))
 
     def cluster_state(speeds: tuple[float, ...]) -> ClusterState:
