@@ -119,13 +119,18 @@ class _Stage:
                 off += 2 * n
 
     def move(self, moves: list[tuple[int, int, int]]) -> None:
-        """Send or receive each (layer, src rank, dst rank) this rank takes part in, in list order."""
+        """Send or receive each (layer, src rank, dst rank) this rank takes part in.
+
+        Every send is posted before the first blocking receive, so ranks that both give and take layers
+        (deeper pipelines) cannot wait on each other.
+        """
         works = []
         for idx, src, dst in moves:
             if src == self.rank:
                 flat = self._flat(idx)
                 works.append((self.group.send([flat], dst, 1_000_000 + idx), flat))
-            elif dst == self.rank:
+        for idx, src, dst in moves:
+            if dst == self.rank:
                 n = 2 * sum(p.numel() for p in self.layers[idx].parameters())
                 buf = torch.empty(n)
                 self.group.recv([buf], src, 1_000_000 + idx).wait()

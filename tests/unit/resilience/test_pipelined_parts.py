@@ -85,3 +85,54 @@ def test_sim_job_for_a_live_spec():
     assert 10_000 < job.tokens_per_microbatch <= 32768 and job.step_overhead_s == 1.5
     assert job.microbatch_sq_tokens < job.tokens_per_microbatch**2  # packed, not one sequence
     assert sim_job_for({"steps": 3}, ranks=4).dp == 4
+
+
+def _move_rank(rank, group):
+    import torch
+
+    from steptune.resilience.pipelined import _layers, _owned, _Stage
+    from steptune.resilience.plan import ExecutionPlan
+
+    layers = _layers(0, 4)  # 6 modules, identical on every rank
+    opt = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=0.1, momentum=0.9)
+    me = _Stage(rank, group, layers, opt)
+    old = ExecutionPlan(
+        version=0, tp_groups=((0,), (1,), (2,)), layer_partition=((2, 2, 2),), microbatches=(1,)
+    )
+    new = ExecutionPlan(
+        version=1, tp_groups=((0,), (1,), (2,)), layer_partition=((3, 2, 1),), microbatches=(1,)
+    )
+    me.owned = _owned(old.layer_partition[0], rank)
+    for i in range(6):
+        for p in layers[i].parameters():
+            if i in me.owned:  # a value only the owner has: its rank and layer
+                with torch.no_grad():
+                    p.fill_(100 * rank + i)
+                opt.state[p] = {"momentum_buffer": torch.full_like(p, -(100 * rank + i))}
+            else:
+                me.poison(i)
+    moves = _moves(old, new, pp=3)
+    me.move(moves)  # rank 1 gives layer 2 to rank 0 and takes layer 4 from rank 2
+    me.owned = _owned(new.layer_partition[0], rank)
+    out = {}
+    for i in range(6):
+        p = next(layers[i].parameters())
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        out[i] = (float(p.detach().flatten()[0]), None if buf is None else float(buf.flatten()[0]))
+    return moves, list(me.owned), out
+
+
+def test_layer_moves_both_ways_carry_params_and_momentum():
+    from steptune.testing import run_threads
+
+    results = run_threads(_move_rank, 3, timeout=30)
+    moves = results[0][0]
+    assert moves == [(2, 1, 0), (4, 2, 1)]
+    for rank, (_, owned, values) in enumerate(results):
+        for i in range(6):
+            value, momentum = values[i]
+            if i in owned:
+                src = {2: 1, 4: 2}.get(i, rank)  # where the layer lived before
+                assert (value, momentum) == (100 * src + i, -(100 * src + i)), (rank, i)
+            else:
+                assert math.isnan(value) and momentum is None, (rank, i)
