@@ -33,8 +33,11 @@ def _reference_losses(spec: dict) -> list[float]:
 
 
 def test_slow_stage_detected_layers_moved_training_unchanged():
-    spec = {"dp": 2, "pp": 2, "steps": 20, "seed": 0, "time_scale": 0.03, "microbatches": 8,
-            "faults": [{"rank": 1, "factor": 2.0, "start": 12}]}  # fmt: skip
+    # Time scale 0.05: the 17 real blocks a stage runs per microbatch take ~15% of its emulated time, so
+    # a CPU hiccup on this shared 2-core box does not make a healthy rank look slow (at 0.03, 1 of 8
+    # reruns raised false alarms when the whole box stalled for seconds).
+    spec = {"dp": 2, "pp": 2, "steps": 18, "seed": 0, "time_scale": 0.05, "microbatches": 8,
+            "faults": [{"rank": 1, "factor": 2.0, "start": 11}]}  # fmt: skip
     # 2x, not 1.6x: with 8 microbatches a 1.6x stage is served as well by DP counts alone (the planner
     # keeps the partition), and this test is about moving layers.
     res = run_pipelined(spec)
@@ -44,7 +47,8 @@ def test_slow_stage_detected_layers_moved_training_unchanged():
         for r in rows
     )
     alarms = [(r["step"], a) for r in rows for a in r["alarms"]]
-    assert alarms and alarms[0][1][0] == 1 and 12 <= alarms[0][0] <= 15, summary
+    assert alarms and alarms[0][1][0] == 1 and 11 <= alarms[0][0] <= 14, summary
+    assert all(unit == 1 for _, (unit, _) in alarms), summary  # no healthy rank blamed
     assert abs(alarms[0][1][1] / 2.0 - 1) < 0.15, summary
     moved = [r for r in rows if r.get("moved_layers")]
     assert moved, summary
