@@ -125,11 +125,14 @@ def live_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_live(spec: dict[str, Any], ranks: int = 4) -> dict[str, Any]:
+def run_live(spec: dict[str, Any], ranks: int = 4, pool: Any = None) -> dict[str, Any]:
+    """One run on ``ranks`` spawned processes (``pool``: reuse a ``SpawnPool``'s ranks)."""
     from steptune.testing.spawn import SpawnPool
 
-    with SpawnPool(ranks, timeout=600) as pool:
+    if pool is not None:
         return pool.run(live_rank, spec)[0]  # type: ignore[no-any-return]
+    with SpawnPool(ranks, timeout=600) as own:
+        return own.run(live_rank, spec)[0]  # type: ignore[no-any-return]
 
 
 def _throughput(reports: list[dict[str, Any]], first: int) -> float:
@@ -139,10 +142,13 @@ def _throughput(reports: list[dict[str, Any]], first: int) -> float:
 
 def compare(spec: dict[str, Any], ranks: int = 4) -> dict[str, Any]:
     """Healthy, unmitigated and adapted runs of the same seeds; the issue's JSON fields."""
+    from steptune.testing.spawn import SpawnPool
+
     fault = spec["faults"][0] if spec.get("faults") else None
-    healthy = run_live({**spec, "faults": []}, ranks)
-    unmitigated = run_live({**spec, "adapt": False}, ranks)
-    adapted = run_live({**spec, "adapt": True}, ranks)
+    with SpawnPool(ranks, timeout=600) as pool:  # one spawn for the three runs
+        healthy = run_live({**spec, "faults": []}, ranks, pool)
+        unmitigated = run_live({**spec, "adapt": False}, ranks, pool)
+        adapted = run_live({**spec, "adapt": True}, ranks, pool)
     start = fault["start"] if fault else 0
     detections = [r["step"] for r in adapted["reports"] if r["alarms"]]
     delay = detections[0] - start if detections else None

@@ -339,19 +339,25 @@ def _sync_and_step(me: _Stage, group: Any, loss_sum: torch.Tensor) -> float:
     return float(loss_sum)
 
 
-def run_pipelined(spec: dict[str, Any]) -> dict[str, Any]:
+def run_pipelined(spec: dict[str, Any], pool: Any = None) -> dict[str, Any]:
+    """One run on dp x pp spawned processes (``pool``: reuse a ``SpawnPool``'s ranks)."""
     from steptune.testing.spawn import SpawnPool
 
-    with SpawnPool(int(spec["dp"]) * int(spec["pp"]), timeout=600) as pool:
+    if pool is not None:
         return pool.run(pipelined_rank, spec)[0]  # type: ignore[no-any-return]
+    with SpawnPool(int(spec["dp"]) * int(spec["pp"]), timeout=600) as own:
+        return own.run(pipelined_rank, spec)[0]  # type: ignore[no-any-return]
 
 
 def compare_pipelined(spec: dict[str, Any]) -> dict[str, Any]:
     """Healthy, unmitigated and adapted runs of the same seeds (the fields of ``live.compare``)."""
+    from steptune.testing.spawn import SpawnPool
+
     fault = spec["faults"][0] if spec.get("faults") else None
-    healthy = run_pipelined({**spec, "faults": []})
-    unmitigated = run_pipelined({**spec, "adapt": False})
-    adapted = run_pipelined({**spec, "adapt": True})
+    with SpawnPool(int(spec["dp"]) * int(spec["pp"]), timeout=600) as pool:  # one spawn for three runs
+        healthy = run_pipelined({**spec, "faults": []}, pool)
+        unmitigated = run_pipelined({**spec, "adapt": False}, pool)
+        adapted = run_pipelined({**spec, "adapt": True}, pool)
     start = fault["start"] if fault else 0
     detections = [r["step"] for r in adapted["reports"] if r["alarms"]]
     window = (detections[0] + 1) if detections else start
