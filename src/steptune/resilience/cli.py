@@ -234,7 +234,7 @@ def _run(args: argparse.Namespace) -> int:
     spec: dict[str, Any] = {
         "steps": args.steps,
         "faults": faults,
-        "time_scale": args.time_scale,
+        "time_scale": args.time_scale if args.time_scale is not None else (0.05 if pp > 1 else 0.02),
         "seed": args.seed,
     }
     if pp > 1:
@@ -338,7 +338,13 @@ def register(sub: Any) -> None:
     )
     run.add_argument("--inject", action="append", default=[], help="slow:rank=R,factor=F,at=S[,for=D]")
     run.add_argument("--steps", type=int, default=80)
-    run.add_argument("--time-scale", type=float, default=0.02, help="wall seconds per emulated device second")
+    run.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="wall seconds per emulated device second (default 0.02 for dp, 0.05 with pp > 1: a stage's 17 "
+        "real blocks must stay well inside its emulated time on a busy CPU)",
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--no-adapt", action="store_true", help="detect only (the unmitigated baseline)")
     run.add_argument("--compare", action="store_true", help="healthy vs unmitigated vs adapted, same seeds")
