@@ -3,8 +3,9 @@ predictor, the detectors (ResiHP's, fixed threshold, change point, heartbeat), s
 runs and on a real 128-GPU trace, and the progressive TP -> PP -> DP planner (pure functions, unit
 tested), the baseline policies and the 256-GPU simulator (issue #7), and the first part of the
 real runtime (issue #8): ``Runtime`` for live training loops (fail-slow detection, DP rebalancing,
-emulated device time) and DP fail-stop survival without restarts (``failstop``). Not built yet: PP
-repartition and TP exclusion in the runtime.
+emulated device time), DP fail-stop survival without restarts (``failstop``), a live DP x PP pipeline
+whose planner moves layers between processes (``pipelined``), and the simulator's prediction of those
+runs (``livesim``). Not built yet: TP exclusion and link faults in the runtime.
 """
 
 from steptune.resilience.detect import (

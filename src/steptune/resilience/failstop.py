@@ -61,7 +61,7 @@ def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, s
             time.sleep(rest)
     if die_before_allreduce:
         os.kill(os.getpid(), signal.SIGKILL)  # a hard failure, mid-step, before the gradients are shared
-    return sum_and_step(model, opt, group, loss_sum)
+    return sum_and_step(list(model.parameters()), opt, group, loss_sum)
 
 
 def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) -> None:

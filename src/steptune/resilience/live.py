@@ -11,6 +11,7 @@ count, so the update does not depend on which rank ran which microbatch) and ste
 from __future__ import annotations
 
 import statistics
+from collections.abc import Container, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ __all__ = [
     "run_live",
     "stage_model",
     "sum_and_step",
+    "summarize",
 ]
 
 PROXY_MAX = 16
@@ -69,16 +71,30 @@ def microbatch_loss(model: nn.Module, x: torch.Tensor, total_tokens: int) -> tor
     return lm_loss(model(x[:, :-1]), x[:, 1:]) * (x.shape[1] - 1) / total_tokens
 
 
-def sum_and_step(model: nn.Module, opt: Any, group: Any, loss_sum: torch.Tensor) -> float:
-    """All-reduce (SUM) the gradients and the loss on ``group``, then step; returns the global loss."""
+def sum_and_step(
+    params: Sequence[nn.Parameter],
+    opt: Any,
+    group: Any,
+    loss_sum: torch.Tensor,
+    owned: Container[int] | None = None,
+) -> float:
+    """All-reduce (SUM) the gradients and the loss on ``group``, then step; returns the global loss.
+
+    With ``owned`` (indices into ``params``), only those contribute and receive the sum; the others add
+    zeros and keep no gradient, so ranks holding different layers (pipeline stages) sync layer-wise.
+    """
+    keep = [owned is None or i in owned for i in range(len(params))]
     flat = torch.cat(
-        [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in model.parameters()]
+        [
+            p.grad.reshape(-1) if k and p.grad is not None else torch.zeros(p.numel())
+            for p, k in zip(params, keep, strict=True)
+        ]
     )
     group.allreduce([flat]).wait()
     group.allreduce([loss_sum]).wait()
     off = 0
-    for p in model.parameters():
-        p.grad = flat[off : off + p.numel()].view_as(p).clone()
+    for p, k in zip(params, keep, strict=True):
+        p.grad = flat[off : off + p.numel()].view_as(p).clone() if k else None
         off += p.numel()
     opt.step()
     opt.zero_grad()
@@ -105,7 +121,7 @@ def live_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 loss = microbatch_loss(model, tokens[i], total)
                 loss.backward()
                 loss_sum += loss.detach()
-        losses.append(sum_and_step(model, opt, group, loss_sum))
+        losses.append(sum_and_step(list(model.parameters()), opt, group, loss_sum))
         rt.end_step()
     return {
         "rank": rank,
@@ -140,15 +156,10 @@ def _throughput(reports: list[dict[str, Any]], first: int) -> float:
     return sum(r["tokens"] for r in rows) / sum(r["wall_s"] for r in rows)
 
 
-def compare(spec: dict[str, Any], ranks: int = 4) -> dict[str, Any]:
-    """Healthy, unmitigated and adapted runs of the same seeds; the issue's JSON fields."""
-    from steptune.testing.spawn import SpawnPool
-
+def summarize(spec: dict[str, Any], ranks: int, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's fields from the healthy, unmitigated and adapted runs of one comparison."""
+    healthy, adapted = runs["healthy"], runs["adapted"]
     fault = spec["faults"][0] if spec.get("faults") else None
-    with SpawnPool(ranks, timeout=600) as pool:  # one spawn for the three runs
-        healthy = run_live({**spec, "faults": []}, ranks, pool)
-        unmitigated = run_live({**spec, "adapt": False}, ranks, pool)
-        adapted = run_live({**spec, "adapt": True}, ranks, pool)
     start = fault["start"] if fault else 0
     detections = [r["step"] for r in adapted["reports"] if r["alarms"]]
     delay = detections[0] - start if detections else None
@@ -164,16 +175,23 @@ def compare(spec: dict[str, Any], ranks: int = 4) -> dict[str, Any]:
         "estimated_slowdown": adapted["reports"][detections[0]]["alarms"][0][1] if detections else None,
         "throughput_window_from_step": window,
         "throughput_tokens_per_s": {
-            "healthy": _throughput(healthy["reports"], max(window, skip)),
-            "unmitigated": _throughput(unmitigated["reports"], max(window, skip)),
-            "adapted": _throughput(adapted["reports"], max(window, skip)),
+            name: _throughput(run["reports"], max(window, skip)) for name, run in runs.items()
         },
         "healthy_step_cv": statistics.pstdev(r["wall_s"] for r in healthy["reports"][skip:])
         / statistics.mean(r["wall_s"] for r in healthy["reports"][skip:]),
         "losses": {"healthy": healthy["losses"], "adapted": adapted["losses"]},
-        "runs": {
-            "healthy": healthy["reports"],
-            "unmitigated": unmitigated["reports"],
-            "adapted": adapted["reports"],
-        },
+        "runs": {name: run["reports"] for name, run in runs.items()},
     }
+
+
+def compare(spec: dict[str, Any], ranks: int = 4) -> dict[str, Any]:
+    """Healthy, unmitigated and adapted runs of the same seeds; the issue's JSON fields."""
+    from steptune.testing.spawn import SpawnPool
+
+    with SpawnPool(ranks, timeout=600) as pool:  # one spawn for the three runs
+        runs = {
+            "healthy": run_live({**spec, "faults": []}, ranks, pool),
+            "unmitigated": run_live({**spec, "adapt": False}, ranks, pool),
+            "adapted": run_live({**spec, "adapt": True}, ranks, pool),
+        }
+    return summarize(spec, ranks, runs)

@@ -24,14 +24,13 @@ Each step:
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from steptune.resilience.live import PROXY_MAX, _throughput, global_batch, stage_model
+from steptune.resilience.live import PROXY_MAX, global_batch, stage_model, sum_and_step, summarize
 from steptune.resilience.plan import (
     ClusterState,
     ExecutionPlan,
@@ -170,8 +169,6 @@ def _replica_rates(
 
 
 def pipelined_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    from steptune.pipeline.stages import lm_loss
-
     steps, seed = int(spec.get("steps", 60)), int(spec.get("seed", 0))
     dp, pp = int(spec["dp"]), int(spec["pp"])
     replica, stage = divmod(rank, pp)
@@ -182,10 +179,15 @@ def pipelined_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any
     rt = Runtime(group, full, cfg, faults=[SlowFault(**f) for f in spec.get("faults", [])])
     num_layers = len(full.layers)
     layers = _layers(seed, num_layers - 2)
-    opt = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=0.05, momentum=0.9)
+    params = [p for m in layers for p in m.parameters()]
+    param_layer = [i for i, m in enumerate(layers) for _ in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
     me = _Stage(rank, group, layers, opt)
     mbs0, _ = global_batch(seed, 0, spec)
-    ref = [round(sum(features(mb)[0] for mb in mbs0) / len(mbs0))]  # a representative 1-sequence shape
+    # Planner layer costs: one sequence as long as step 0's mean microbatch. It overweights attention
+    # against packed microbatches, but the split only depends on relative layer costs, and every
+    # block is the same layer.
+    ref = [round(sum(features(mb)[0] for mb in mbs0) / len(mbs0))]
     layer_costs = tuple(
         max(sum(StageModel(layers=(x,), device=full.device).time(ref, p) for p in "FBW"), 1e-9)
         for x in full.layers
@@ -211,8 +213,9 @@ def pipelined_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any
         assignment = plan_dp([rt.cost(mb) for mb in mbs], rates, base=base)
         mine = assignment[replica]
         part = StageModel(layers=tuple(full.layers[i] for i in me.owned), device=full.device)
-        loss_sum = _run_pipeline(rt, me, part, stage, pp, mine, mbs, tokens, total, lm_loss)
-        losses.append(_sync_and_step(me, group, loss_sum))
+        loss_sum = _run_pipeline(rt, me, part, stage, pp, mine, mbs, tokens, total)
+        owned = {k for k, i in enumerate(param_layer) if i in me.owned}  # layer-wise gradient sync
+        losses.append(sum_and_step(params, opt, group, loss_sum, owned))
         report = rt.end_step(tokens=sum(sum(mb) for mb in mbs))
         row: dict[str, Any] = {
             "step": step,
@@ -271,9 +274,10 @@ def _run_pipeline(
     mbs: list[list[int]],
     tokens: list[torch.Tensor],
     total: int,
-    lm_loss: Any,
 ) -> torch.Tensor:
     """This stage's 1F1B over the replica's microbatches ``mine``; returns the summed weighted loss."""
+    from steptune.pipeline.stages import lm_loss
+
     first, last = stage == 0, stage == pp - 1
     rank = me.rank
     kept: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -319,26 +323,6 @@ def _run_pipeline(
     return loss_sum
 
 
-def _sync_and_step(me: _Stage, group: Any, loss_sum: torch.Tensor) -> float:
-    """Sum every layer's gradient over the world (owners contribute, others add zeros), then step."""
-    params = [(i, p) for i, m in enumerate(me.layers) for p in m.parameters()]
-    flat = torch.cat(
-        [
-            p.grad.reshape(-1) if i in me.owned and p.grad is not None else torch.zeros(p.numel())
-            for i, p in params
-        ]
-    )
-    group.allreduce([flat]).wait()
-    group.allreduce([loss_sum]).wait()
-    off = 0
-    for i, p in params:
-        p.grad = flat[off : off + p.numel()].view_as(p).clone() if i in me.owned else None
-        off += p.numel()
-    me.opt.step()
-    me.opt.zero_grad()
-    return float(loss_sum)
-
-
 def run_pipelined(spec: dict[str, Any], pool: Any = None) -> dict[str, Any]:
     """One run on dp x pp spawned processes (``pool``: reuse a ``SpawnPool``'s ranks)."""
     from steptune.testing.spawn import SpawnPool
@@ -350,45 +334,24 @@ def run_pipelined(spec: dict[str, Any], pool: Any = None) -> dict[str, Any]:
 
 
 def compare_pipelined(spec: dict[str, Any]) -> dict[str, Any]:
-    """Healthy, unmitigated and adapted runs of the same seeds (the fields of ``live.compare``)."""
+    """Healthy, unmitigated and adapted runs of the same seeds: ``live.summarize``'s fields plus the
+    adapted run's plan changes and final partitions."""
     from steptune.testing.spawn import SpawnPool
 
-    fault = spec["faults"][0] if spec.get("faults") else None
-    with SpawnPool(int(spec["dp"]) * int(spec["pp"]), timeout=600) as pool:  # one spawn for three runs
-        healthy = run_pipelined({**spec, "faults": []}, pool)
-        unmitigated = run_pipelined({**spec, "adapt": False}, pool)
-        adapted = run_pipelined({**spec, "adapt": True}, pool)
-    start = fault["start"] if fault else 0
-    detections = [r["step"] for r in adapted["reports"] if r["alarms"]]
-    window = (detections[0] + 1) if detections else start
-    skip = 5
-    first = max(window, skip)
+    ranks = int(spec["dp"]) * int(spec["pp"])
+    with SpawnPool(ranks, timeout=600) as pool:  # one spawn for three runs
+        runs = {
+            "healthy": run_pipelined({**spec, "faults": []}, pool),
+            "unmitigated": run_pipelined({**spec, "adapt": False}, pool),
+            "adapted": run_pipelined({**spec, "adapt": True}, pool),
+        }
+    adapted = runs["adapted"]["reports"]
     return {
-        "ranks": int(spec["dp"]) * int(spec["pp"]),
-        "spec": spec,
-        "false_alarms": sum(len(r["alarms"]) for r in healthy["reports"]),
-        "fixed_threshold_false_alarms": sum(r["threshold_alarm"] for r in healthy["reports"]),
-        "detection_delay_steps": detections[0] - start if detections else None,
-        "detected_rank": adapted["reports"][detections[0]]["alarms"][0][0] if detections else None,
-        "estimated_slowdown": adapted["reports"][detections[0]]["alarms"][0][1] if detections else None,
-        "throughput_window_from_step": window,
-        "throughput_tokens_per_s": {
-            "healthy": _throughput(healthy["reports"], first),
-            "unmitigated": _throughput(unmitigated["reports"], first),
-            "adapted": _throughput(adapted["reports"], first),
-        },
-        "healthy_step_cv": statistics.pstdev(r["wall_s"] for r in healthy["reports"][skip:])
-        / statistics.mean(r["wall_s"] for r in healthy["reports"][skip:]),
+        **summarize(spec, ranks, runs),
         "plan_changes": [
             {"step": r["step"], "log": r["plan_log"], "moved_layers": r.get("moved_layers", 0)}
-            for r in adapted["reports"]
+            for r in adapted
             if r["plan_log"]
         ],
-        "partitions": adapted["reports"][-1]["partition"],
-        "losses": {"healthy": healthy["losses"], "adapted": adapted["losses"]},
-        "runs": {
-            "healthy": healthy["reports"],
-            "unmitigated": unmitigated["reports"],
-            "adapted": adapted["reports"],
-        },
+        "partitions": adapted[-1]["partition"],
     }
