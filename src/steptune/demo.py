@@ -10,7 +10,8 @@ from typing import Any
 __all__ = ["register", "run_demo"]
 
 
-def run_demo(out_dir: Path) -> Path:
+def run_demo(out_dir: Path, *, quick: bool = False) -> Path:
+    """Run every area's demo; ``quick`` shrinks sizes and repeats (a smoke run for the tests)."""
     from rich.console import Console
 
     from steptune.comm.demo import run_comm_demo
@@ -34,7 +35,7 @@ def run_demo(out_dir: Path) -> Path:
     for name, fn in demos:
         t0 = time.perf_counter()
         with console.status(f"demo: {name} ..."):
-            result = fn(out_dir / name)
+            result = fn(out_dir / name, quick=quick)
         console.rule(f"{result.title} ({time.perf_counter() - t0:.1f} s)")
         sections.append(f"## {result.title}\n")
         for table in result.tables:
@@ -55,9 +56,14 @@ def register(sub: Any) -> None:
         description="Run the demo of every area that works and write a Markdown report.",
     )
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default: runs/demo)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller models, fewer repeats and seeds: checks that every demo runs, figures are rougher",
+    )
 
     def run(args: argparse.Namespace) -> int:
-        run_demo(args.out)
+        run_demo(args.out, quick=args.quick)
         return 0
 
     p.set_defaults(func=run)

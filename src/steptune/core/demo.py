@@ -20,7 +20,7 @@ class DemoResult:
     artifacts: list[Path] = field(default_factory=list)
 
 
-def run_core_demo(out_dir: Path) -> DemoResult:
+def run_core_demo(out_dir: Path, *, quick: bool = False) -> DemoResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     presets = Table(
         title="Model presets (analytic, from config numbers)",

@@ -95,7 +95,7 @@ async def _iteration(pool: EvalPool, out_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run_kernels_demo(out_dir: Path) -> DemoResult:
+def run_kernels_demo(out_dir: Path, *, quick: bool = False) -> DemoResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = PoolConfig(num_workers=2, timeout_s=10, memory_bytes=2**30)
     with EvalPool(cfg) as pool:
@@ -116,8 +116,9 @@ def run_kernels_demo(out_dir: Path) -> DemoResult:
             }
             for n, e, f in adv_futs
         ]
-    report = run_bench(repeats=3, problems=["softmax", "rmsnorm", "gelu_tanh"])
-    lane = run_sim_lane(seeds=4, variants=("specgen", *BASELINES), workers=2)
+    problems = ["softmax"] if quick else ["softmax", "rmsnorm", "gelu_tanh"]
+    report = run_bench(repeats=1 if quick else 3, problems=problems)
+    lane = run_sim_lane(seeds=1 if quick else 4, variants=("specgen", *BASELINES), workers=2)
 
     t1 = Table(
         title="One LLM iteration replayed (synthetic trace, x8 speed) into the sandboxed pool: softmax",

@@ -13,12 +13,19 @@ __all__ = ["run_memory_demo"]
 
 
 def run_memory_demo(
-    out_dir: Path, *, model: str = "qwen3-small", repeats: int = 3, bench_model: str = "qwen3-tiny"
+    out_dir: Path,
+    *,
+    model: str = "qwen3-small",
+    repeats: int = 3,
+    bench_model: str = "qwen3-tiny",
+    quick: bool = False,
 ) -> DemoResult:
+    if quick:
+        model, repeats = bench_model, 1
     from steptune.memory.bench import bench_table, dominance, pareto_plot, run_bench
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = compare(model, repeats=repeats, overhead_repeats=3)
+    result = compare(model, repeats=repeats, overhead_repeats=1 if quick else 3)
     tables = [compare_table(result)]
     extra = overhead_table(result)
     if extra is not None:

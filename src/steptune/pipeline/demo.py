@@ -13,7 +13,9 @@ from steptune.pipeline.tune import TuneConfig, resimulate, tune
 __all__ = ["run_pipeline_demo"]
 
 
-def run_pipeline_demo(out_dir: Path, *, time_budget: float = 8.0) -> DemoResult:
+def run_pipeline_demo(out_dir: Path, *, time_budget: float = 8.0, quick: bool = False) -> DemoResult:
+    if quick:
+        time_budget = 1.0
     out_dir.mkdir(parents=True, exist_ok=True)
     table = Table(
         title="OctoPipe tuner vs anchors (SIMULATED step time, H100 costs)",

@@ -12,7 +12,9 @@ from steptune.resilience.evaluate import JobSpec, detector_scores
 __all__ = ["run_resilience_demo"]
 
 
-def run_resilience_demo(out_dir: Path, *, runs: int = 8) -> DemoResult:
+def run_resilience_demo(out_dir: Path, *, runs: int = 8, quick: bool = False) -> DemoResult:
+    if quick:
+        runs = 2
     out_dir.mkdir(parents=True, exist_ok=True)
     scores = detector_scores(JobSpec(), runs=runs, steps=60)
     sim = Table(
