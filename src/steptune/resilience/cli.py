@@ -223,10 +223,13 @@ def _run(args: argparse.Namespace) -> int:
     from steptune.resilience.live import compare, run_live
     from steptune.resilience.livesim import predict_live
     from steptune.resilience.pipelined import compare_pipelined, parse_layout, run_pipelined
+    from steptune.resilience.tensorpar import compare_tensor_parallel, run_tensor_parallel
 
-    dp, pp = parse_layout(args.layout)
-    if dp * pp != args.ranks:
-        raise ValueError(f"--layout {args.layout!r} needs dp*pp = {dp * pp} ranks; got --ranks {args.ranks}")
+    dp, pp, tp = parse_layout(args.layout)
+    if dp * pp * tp != args.ranks:
+        raise ValueError(
+            f"--layout {args.layout!r} needs dp*pp*tp = {dp * pp * tp} ranks; got --ranks {args.ranks}"
+        )
     faults = [_parse_inject(x) for x in args.inject]
     for f in faults:
         if not 0 <= f["rank"] < args.ranks:
@@ -239,8 +242,13 @@ def _run(args: argparse.Namespace) -> int:
     }
     if pp > 1:
         spec.update(dp=dp, pp=pp)
+    if tp > 1:
+        spec.update(dp=dp, tp=tp)
     if args.compare:
-        res = compare_pipelined(spec) if pp > 1 else compare(spec, args.ranks)
+        if tp > 1:
+            res = compare_tensor_parallel(spec)
+        else:
+            res = compare_pipelined(spec) if pp > 1 else compare(spec, args.ranks)
         tp = res["throughput_tokens_per_s"]
         print(f"healthy run: ResiHP false alarms {res['false_alarms']}, fixed 10% threshold "
               f"{res['fixed_threshold_false_alarms']} (step CV {res['healthy_step_cv']:.1%})")  # fmt: skip
@@ -252,7 +260,7 @@ def _run(args: argparse.Namespace) -> int:
               f"{tp['healthy']:.0f}, unmitigated {tp['unmitigated']:.0f}, adapted {tp['adapted']:.0f} "
               f"({tp['adapted'] / tp['healthy'] - 1:+.1%} vs healthy, "
               f"{tp['adapted'] / tp['unmitigated']:.2f}x unmitigated)")  # fmt: skip
-        if faults:
+        if faults and tp == 1:  # the live TP job has no simulator counterpart yet
             pred = res["simulated"] = predict_live(res)
             for name in ("raw", "calibrated"):
                 err = pred[name]["error"]
@@ -265,7 +273,9 @@ def _run(args: argparse.Namespace) -> int:
             args.json.write_text(json.dumps(res, indent=2) + "\n")
             print(f"wrote: {args.json}")
         return 0
-    if pp > 1:
+    if tp > 1:
+        out = run_tensor_parallel({**spec, "adapt": not args.no_adapt})
+    elif pp > 1:
         out = run_pipelined({**spec, "adapt": not args.no_adapt})
     else:
         out = run_live({**spec, "adapt": not args.no_adapt}, args.ranks)
@@ -274,6 +284,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"step {r['step']:3d}  {r['wall_s']:6.2f} s  {r['tokens'] / r['wall_s']:8.0f} tok/s  "
               f"loss {out['losses'][r['step']]:.4f}  speeds {[round(x, 2) for x in r['speeds']]}"
               + (f"  partition {r['partition']}" if "partition" in r else "")
+              + (f"  tp groups {r['tp_groups']}" if "tp_groups" in r else "")
               + (f"  DETECTED {alarms}" if alarms else ""))  # fmt: skip
         for line in r.get("plan_log", []):
             print(f"          plan: {line}")
@@ -329,12 +340,16 @@ def register(sub: Any) -> None:
         description="Spawns --ranks processes on loopback gloo: a tiny real decoder, real all-reduce, each "
         "microbatch lasting the emulated H100 time of an 8B model. The Runtime detects the injected "
         "slowdown and rebalances microbatches; with pp > 1 the stages are a real 1F1B pipeline and ResiHP's "
-        "planner also moves layers between stages. --compare runs healthy, unmitigated and adapted with the "
+        "planner also moves layers between stages; with tp > 1 each replica is a real tensor-parallel group "
+        "and a degraded member can be excluded (its shard moves to the survivors) and readmitted. "
+        "--compare runs healthy, unmitigated and adapted with the "
         "same seeds and the simulator's prediction of each.",
     )
     run.add_argument("--ranks", type=int, default=4)
     run.add_argument(
-        "--layout", default="dp=4", help="dp=N or dp=N,pp=M (rank = replica * pp + stage; tp is not live)"
+        "--layout",
+        default="dp=4",
+        help="dp=N, dp=N,pp=M (rank = replica * pp + stage) or dp=N,tp=M (rank = replica * tp + member)",
     )
     run.add_argument("--inject", action="append", default=[], help="slow:rank=R,factor=F,at=S[,for=D]")
     run.add_argument("--steps", type=int, default=80)

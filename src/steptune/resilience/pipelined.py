@@ -50,17 +50,19 @@ _BYTES_PER_PARAM = 16.0
 """bf16 weights + fp32 master, grads and two Adam moments: what moving a layer costs on a real cluster."""
 
 
-def parse_layout(text: str) -> tuple[int, int]:
-    """``"dp=2,pp=2"`` -> (dp, pp). TP is not supported live (tp=1)."""
+def parse_layout(text: str) -> tuple[int, int, int]:
+    """``"dp=2,pp=2"`` -> (dp, pp, tp). Live, TP and PP do not combine (one of them is 1)."""
     out = {"dp": 1, "pp": 1, "tp": 1}
     for part in text.split(","):
         key, _, value = part.partition("=")
         if key.strip() not in out or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"layout {text!r}: use comma-separated dp=N,pp=N with N >= 1")
+            raise ValueError(f"layout {text!r}: use comma-separated dp=N,pp=N or dp=N,tp=N with N >= 1")
         out[key.strip()] = int(value)
-    if out["tp"] != 1:
-        raise ValueError(f"layout {text!r}: the live runtime has no tensor parallelism; use tp=1")
-    return out["dp"], out["pp"]
+    if out["tp"] > 1 and out["pp"] > 1:
+        raise ValueError(f"layout {text!r}: the live jobs run TP or PP, not both; use dp=N,pp=M or dp=N,tp=M")
+    if out["tp"] & (out["tp"] - 1):
+        raise ValueError(f"layout {text!r}: tp must be a power of two (ResiHP's TP degrees)")
+    return out["dp"], out["pp"], out["tp"]
 
 
 def one_f_one_b_order(stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:

@@ -170,16 +170,20 @@ class Runtime:
         *,
         part: StageModel | None = None,
         phases: Sequence[str] = ("F", "B", "W"),
+        fraction: float = 1.0,
     ) -> Iterator[None]:
-        """Time the block: ``phases`` of one microbatch on ``part`` of the model (default: all of it).
+        """Time the block: ``phases`` of one microbatch on ``part`` of the model (default: all of it),
+        of which this device does ``fraction`` (1/k in a TP group of k).
 
         Emulates device time if configured. The sample is scaled to whole-model F+B+W time by the cost
-        model's share of ``part`` and ``phases`` in it, so the predictor and detector compare ranks that
-        hold different layers (pipeline stages) on one scale.
+        model's share of ``part``, ``phases`` and ``fraction`` in it, so the predictor and detector
+        compare ranks that hold different layers (pipeline stages) or shards (TP) on one scale.
         """
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
         cfg = self.config
         part = part or self.stage
-        nominal = sum(part.time(lengths, p) for p in phases)
+        nominal = sum(part.time(lengths, p) for p in phases) * fraction
         share = nominal / sum(self.stage.time(lengths, p) for p in ("F", "B", "W"))
         t0 = time.perf_counter()
         yield
@@ -227,8 +231,11 @@ class Runtime:
             for n, q, t in s:
                 self.predictor.observe("fb", n, q, t)
         alarms: list[Alarm] = []
-        if predicted is not None:
-            alarms = self.detector.observe(self.step, dict(enumerate(compute)), dict(enumerate(predicted)))
+        if predicted is not None:  # a rank that ran nothing this step has nothing to judge
+            busy = [r for r, s in enumerate(per_rank) if s]
+            alarms = self.detector.observe(
+                self.step, {r: compute[r] for r in busy}, {r: predicted[r] for r in busy}
+            )
         if self.config.adapt:
             for a in alarms:
                 if a.unit is not None:
@@ -237,6 +244,7 @@ class Runtime:
                 for r, speed in enumerate(self.speeds):
                     if (
                         speed < 1.0
+                        and per_rank[r]
                         and predicted[r] > 0
                         and compute[r] < self.config.detector.recover * predicted[r]
                     ):

@@ -34,9 +34,10 @@ def test_one_f_one_b_order(num_stages, m):
 
 
 def test_parse_layout():
-    assert parse_layout("dp=2,pp=2") == (2, 2)
-    assert parse_layout("dp=4") == (4, 1)
-    for bad in ("dp=2,tp=2", "dp=0", "zz=1", "dp=two"):
+    assert parse_layout("dp=2,pp=2") == (2, 2, 1)
+    assert parse_layout("dp=4") == (4, 1, 1)
+    assert parse_layout("dp=2,tp=2") == (2, 1, 2)
+    for bad in ("dp=2,tp=2,pp=2", "dp=1,tp=3", "dp=0", "zz=1", "dp=two"):
         with pytest.raises(ValueError, match="layout"):
             parse_layout(bad)
 

@@ -33,5 +33,6 @@ def test_bad_injection_and_layout_say_what_to_write():
         main(["resilience", "run", "--bogus"])
     assert main(["resilience", "run", "--inject", "kill:rank=1"]) != 0
     assert main(["resilience", "run", "--layout", "dp=2,pp=2", "--ranks", "3"]) != 0
-    assert main(["resilience", "run", "--layout", "dp=2,tp=2"]) != 0
+    assert main(["resilience", "run", "--layout", "dp=1,tp=2,pp=2"]) != 0
+    assert main(["resilience", "run", "--layout", "dp=2,tp=2", "--ranks", "2"]) != 0
     assert main(["resilience", "run", "--inject", "slow:rank=7,factor=2,at=3"]) != 0
