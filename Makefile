@@ -23,8 +23,8 @@ demo: install
 	$(BIN)/steptune demo
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy src/steptune/core
 
 test: lint

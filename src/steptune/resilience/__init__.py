@@ -4,8 +4,9 @@ runs and on a real 128-GPU trace, and the progressive TP -> PP -> DP planner (pu
 tested), the baseline policies and the 256-GPU simulator (issue #7), and the first part of the
 real runtime (issue #8): ``Runtime`` for live training loops (fail-slow detection, DP rebalancing,
 emulated device time), DP fail-stop survival without restarts (``failstop``), a live DP x PP pipeline
-whose planner moves layers between processes (``pipelined``), and the simulator's prediction of those
-runs (``livesim``). Not built yet: TP exclusion and link faults in the runtime.
+whose planner moves layers between processes (``pipelined``), a live DP x TP job with ResiHP's
+selective TP exclusion and readmission (``tensorpar``), and the simulator's prediction of the DP and PP
+runs (``livesim``). Not built yet: link faults in the runtime.
 """
 
 from steptune.resilience.detect import (

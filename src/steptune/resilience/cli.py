@@ -237,7 +237,7 @@ def _run(args: argparse.Namespace) -> int:
     spec: dict[str, Any] = {
         "steps": args.steps,
         "faults": faults,
-        "time_scale": args.time_scale if args.time_scale is not None else (0.05 if pp > 1 else 0.02),
+        "time_scale": args.time_scale if args.time_scale is not None else (0.05 if pp * tp > 1 else 0.02),
         "seed": args.seed,
     }
     if pp > 1:
@@ -260,7 +260,7 @@ def _run(args: argparse.Namespace) -> int:
               f"{tp['healthy']:.0f}, unmitigated {tp['unmitigated']:.0f}, adapted {tp['adapted']:.0f} "
               f"({tp['adapted'] / tp['healthy'] - 1:+.1%} vs healthy, "
               f"{tp['adapted'] / tp['unmitigated']:.2f}x unmitigated)")  # fmt: skip
-        if faults and tp == 1:  # the live TP job has no simulator counterpart yet
+        if faults:
             pred = res["simulated"] = predict_live(res)
             for name in ("raw", "calibrated"):
                 err = pred[name]["error"]
@@ -357,8 +357,8 @@ def register(sub: Any) -> None:
         "--time-scale",
         type=float,
         default=None,
-        help="wall seconds per emulated device second (default 0.02 for dp, 0.05 with pp > 1: a stage's 17 "
-        "real blocks must stay well inside its emulated time on a busy CPU)",
+        help="wall seconds per emulated device second (default 0.02 for dp, 0.05 with pp or tp > 1: a "
+        "stage's 17 real blocks, or a TP member's gloo messages, must stay well inside the emulated time)",
     )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--no-adapt", action="store_true", help="detect only (the unmitigated baseline)")

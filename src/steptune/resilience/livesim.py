@@ -1,7 +1,9 @@
 """Does the simulator (``sim.run``) predict the live runs? Predicted vs measured tokens/s per run.
 
-``predict_live(result)`` takes a ``live.compare`` or ``pipelined.compare_pipelined`` result and builds the
-simulator's job from the same spec: model, cluster, layout, microbatch count, and a representative packed
+``predict_live(result)`` takes a ``live.compare``, ``pipelined.compare_pipelined`` or
+``tensorpar.compare_tensor_parallel`` result and builds the simulator's job from the same spec: model,
+cluster, layout (TP groups run at k x the slowest member, communication free, as in the live TP job),
+microbatch count, and a representative packed
 microbatch (the mean tokens and mean sum of squared lengths over every microbatch the live run drew). It
 then simulates the healthy run (NoOp, no failure), the unmitigated run (NoOp with the fail-slow) and the
 adapted run (ResiHP with the live planner's settings).
@@ -32,9 +34,9 @@ _RUNS = ("healthy", "unmitigated", "adapted")
 
 
 def sim_job_for(spec: dict[str, Any], ranks: int, overhead_s: float = 0.0) -> SimJob:
-    """The simulator's job for a live spec (tp=1; DP-only live runs have pp=1, dp=ranks)."""
-    pp = int(spec.get("pp", 1))
-    dp = int(spec.get("dp", ranks // pp))
+    """The simulator's job for a live spec (DP-only live runs have pp = tp = 1, dp = ranks)."""
+    pp, tp = int(spec.get("pp", 1)), int(spec.get("tp", 1))
+    dp = int(spec.get("dp", ranks // (pp * tp)))
     ns, qs = [], []
     for step in range(int(spec.get("steps", 60))):
         for mb in global_batch(int(spec.get("seed", 0)), step, spec)[0]:
@@ -44,7 +46,7 @@ def sim_job_for(spec: dict[str, Any], ranks: int, overhead_s: float = 0.0) -> Si
     return SimJob(
         model=spec.get("model", "llama3.1-8b"),
         cluster=spec.get("cluster", "dgx-h100"),
-        tp=1,
+        tp=tp,
         pp=pp,
         dp=dp,
         global_microbatches=int(spec.get("microbatches", 16)),

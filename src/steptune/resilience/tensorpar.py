@@ -58,7 +58,9 @@ __all__ = ["TPModel", "compare_tensor_parallel", "run_tensor_parallel", "tp_rank
 _HIDDEN = 32
 _FFN = 128
 _VOCAB = 64
-_BLOCKS = 4
+_BLOCKS = 2
+"""Each block costs two TP sums forward and one backward (gloo messages of ~4 ms on a busy 2-core box), so
+few blocks keep real work well inside the emulated time."""
 _BYTES_PER_PARAM = 16.0
 """bf16 weights + fp32 master, grads and two Adam moments: what moving a shard costs on a real cluster."""
 _TAG = 50_000_000
