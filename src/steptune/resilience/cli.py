@@ -249,17 +249,22 @@ def _run(args: argparse.Namespace) -> int:
             res = compare_tensor_parallel(spec)
         else:
             res = compare_pipelined(spec) if pp > 1 else compare(spec, args.ranks)
-        tp = res["throughput_tokens_per_s"]
+        tput = res["throughput_tokens_per_s"]
         print(f"healthy run: ResiHP false alarms {res['false_alarms']}, fixed 10% threshold "
               f"{res['fixed_threshold_false_alarms']} (step CV {res['healthy_step_cv']:.1%})")  # fmt: skip
         print(f"detection delay {res['detection_delay_steps']} steps, rank {res['detected_rank']}, "
               f"estimated slowdown {res['estimated_slowdown']}")  # fmt: skip
         for change in res.get("plan_changes", []):
             print(f"plan change after step {change['step']}: {'; '.join(change['log'])}")
+        for change in res.get("adapted_uneven_plan_changes", []):
+            print(f"steptune uneven TP shares, after step {change['step']}: {'; '.join(change['log'])}")
+        if "uneven_vs_resihp" in res:
+            print(f"steptune (uneven TP shares) vs ResiHP (exclusion): {res['uneven_vs_resihp']:.3f}x "
+                  f"({tput['adapted_uneven']:.0f} tokens/s)")  # fmt: skip
         print(f"throughput from step {res['throughput_window_from_step']} (tokens/s, emulated): healthy "
-              f"{tp['healthy']:.0f}, unmitigated {tp['unmitigated']:.0f}, adapted {tp['adapted']:.0f} "
-              f"({tp['adapted'] / tp['healthy'] - 1:+.1%} vs healthy, "
-              f"{tp['adapted'] / tp['unmitigated']:.2f}x unmitigated)")  # fmt: skip
+              f"{tput['healthy']:.0f}, unmitigated {tput['unmitigated']:.0f}, adapted {tput['adapted']:.0f} "
+              f"({tput['adapted'] / tput['healthy'] - 1:+.1%} vs healthy, "
+              f"{tput['adapted'] / tput['unmitigated']:.2f}x unmitigated)")  # fmt: skip
         if faults:
             pred = res["simulated"] = predict_live(res)
             for name in ("raw", "calibrated"):

@@ -46,14 +46,27 @@ from steptune.resilience.plan import (
     ClusterState,
     ExecutionPlan,
     ReconfigCosts,
-    group_speed,
     initial_plan,
+    makespan,
     plan_dp,
     progressive_replan,
+    should_apply,
 )
 from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
 
-__all__ = ["TPModel", "compare_tensor_parallel", "run_tensor_parallel", "tp_rank"]
+__all__ = [
+    "TP_POLICIES",
+    "Owners",
+    "TPModel",
+    "compare_tensor_parallel",
+    "equal_owners",
+    "held",
+    "members",
+    "replica_speed",
+    "run_tensor_parallel",
+    "tp_rank",
+    "uneven_owners",
+]
 
 _HIDDEN = 32
 _FFN = 128
@@ -61,6 +74,12 @@ _VOCAB = 64
 _BLOCKS = 2
 """Each block costs two TP sums forward and one backward (gloo messages of ~4 ms on a busy 2-core box), so
 few blocks keep real work well inside the emulated time."""
+_UNITS_PER_DEVICE = 4
+"""TP units per device of the first plan: the granularity of uneven shares (a 1/3-speed member of a pair
+can hold 2 of 8 units)."""
+TP_POLICIES = ("resihp", "uneven")
+"""resihp: ResiHP's selective exclusion with equal shares (the paper). uneven: steptune's shares in
+proportion to speed, so a slow member keeps working on less (exclusion only when its share rounds to 0)."""
 _BYTES_PER_PARAM = 16.0
 """bf16 weights + fp32 master, grads and two Adam moments: what moving a shard costs on a real cluster."""
 _TAG = 50_000_000
@@ -167,30 +186,64 @@ class _Reduce(torch.autograd.Function):
         return g, None
 
 
-def _units_of(rank: int, groups: Sequence[Sequence[int]], tp: int) -> range:
-    """The TP units ``rank`` holds under ``groups`` (a member of k holds tp/k consecutive units)."""
+Owners = tuple[tuple[int, ...], ...]
+"""Per replica, the rank holding each TP unit (``tp * _UNITS_PER_DEVICE`` units, contiguous per member)."""
+
+
+def equal_owners(groups: Sequence[Sequence[int]], units: int) -> Owners:
+    """ResiHP's layout: each member of a group of k holds units/k consecutive units, in member order."""
+    return tuple(tuple(g[u * len(g) // units] for u in range(units)) for g in groups)
+
+
+def uneven_owners(groups: Sequence[Sequence[int]], speeds: Sequence[float], units: int) -> Owners:
+    """steptune's layout: units in proportion to speed. Each unit goes to the member that would finish its
+    share soonest (count + 1) / speed, which minimizes max(count / speed) exactly (water-filling); a
+    member left with 0 units is out of the group. Contiguous in the group's member order."""
+    out = []
     for g in groups:
-        if rank in g:
-            per = tp // len(g)
-            j = list(g).index(rank)
-            return range(j * per, (j + 1) * per)
+        alive = [d for d in g if speeds[d] > 0]
+        if not alive:
+            raise ValueError(f"TP group {tuple(g)} has no live member")
+        count = dict.fromkeys(alive, 0)
+        for _ in range(units):
+            d = min(alive, key=lambda d: ((count[d] + 1) / speeds[d], list(g).index(d)))
+            count[d] += 1
+        out.append(tuple(d for d in alive for _ in range(count[d])))
+    return tuple(out)
+
+
+def members(row: Sequence[int]) -> tuple[int, ...]:
+    """A replica's group: the ranks holding its units, in order (the first is the leader)."""
+    return tuple(dict.fromkeys(row))
+
+
+def held(rank: int, owners: Owners) -> range:
+    for row in owners:
+        if rank in row:
+            first = row.index(rank)
+            return range(first, first + row.count(rank))
     return range(0)
 
 
-def _leader(rank: int, groups: Sequence[Sequence[int]]) -> bool:
-    return any(g[0] == rank for g in groups)
+def replica_speed(row: Sequence[int], speeds: Sequence[float]) -> float:
+    """Throughput in healthy devices: the member that finishes its share last paces every TP sum."""
+    return 1.0 / max(row.count(d) / len(row) / speeds[d] for d in members(row))
 
 
-def _in_group(rank: int, groups: Sequence[Sequence[int]]) -> bool:
-    return any(rank in g for g in groups)
+def _leader(rank: int, owners: Owners) -> bool:
+    return any(row[0] == rank for row in owners)
+
+
+def _in_group(rank: int, owners: Owners) -> bool:
+    return any(rank in row for row in owners)
 
 
 class _Holder:
     """This rank's state: which units and whether the replicated tensors; moves them between ranks."""
 
-    def __init__(self, rank: int, group: Any, model: TPModel, opt: torch.optim.Optimizer, tp: int) -> None:
-        self.rank, self.group, self.model, self.opt, self.tp = rank, group, model, opt, tp
-        self.unit = _FFN // tp
+    def __init__(self, rank: int, group: Any, model: TPModel, opt: torch.optim.Optimizer, units: int) -> None:
+        self.rank, self.group, self.model, self.opt, self.units = rank, group, model, opt, units
+        self.unit = _FFN // units
 
     def _views(self, u: int | None, source: str) -> list[torch.Tensor]:
         """Views of unit ``u`` (None: the replicated tensors) in the parameters or momentum buffers."""
@@ -234,12 +287,12 @@ class _Holder:
     def size(self, u: int | None) -> int:
         return 2 * sum(v.numel() for v in self._views(u, "param"))
 
-    def move(self, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]) -> int:
-        """Apply the change of holders from groups ``old`` to ``new``; returns pieces this rank moved.
+    def move(self, old: Owners, new: Owners) -> int:
+        """Apply the change of holders from ``old`` to ``new``; returns the pieces this rank moved.
 
         Every send is posted before the first blocking receive, so no pair of ranks waits on the other.
         """
-        moves = _moves(old, new, self.tp)
+        moves = _moves(old, new)
         works = []
         for k, (u, src, dst) in enumerate(moves):
             if src == self.rank:
@@ -255,39 +308,35 @@ class _Holder:
         self.drop_unheld(new)
         return sum(1 for _, s, d in moves if self.rank in (s, d))
 
-    def drop_unheld(self, groups: Sequence[Sequence[int]]) -> None:
-        held = _units_of(self.rank, groups, self.tp)
-        for u in range(self.tp):
-            if u not in held:
+    def drop_unheld(self, owners: Owners) -> None:
+        mine = held(self.rank, owners)
+        for u in range(self.units):
+            if u not in mine:
                 self.poison(u)
-        if not _in_group(self.rank, groups):
+        if not _in_group(self.rank, owners):
             self.poison(None)
 
 
-def _moves(
-    old: Sequence[Sequence[int]], new: Sequence[Sequence[int]], tp: int
-) -> list[tuple[int | None, int, int]]:
+def _moves(old: Owners, new: Owners) -> list[tuple[int | None, int, int]]:
     """(unit or None for the replicated tensors, source rank, destination rank), in a fixed order."""
     out: list[tuple[int | None, int, int]] = []
-    for g_old, g_new in zip(old, new, strict=True):
-        owner_old = {u: r for r in g_old for u in _units_of(r, [g_old], tp)}
-        owner_new = {u: r for r in g_new for u in _units_of(r, [g_new], tp)}
-        out += [(u, owner_old[u], owner_new[u]) for u in range(tp) if owner_old[u] != owner_new[u]]
-        out += [(None, g_old[0], r) for r in g_new if r not in g_old]
+    for a, b in zip(old, new, strict=True):
+        out += [(u, x, y) for u, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        out += [(None, a[0], r) for r in members(b) if r not in a]
     return out
 
 
 def _sync_and_step(
     model: TPModel, opt: torch.optim.Optimizer, group: Any, loss_sum: torch.Tensor, rank: int,
-    groups: Sequence[Sequence[int]], tp: int,
+    owners: Owners,
 ) -> float:  # fmt: skip
     """World sum of gradients per unit (owner contributes) and of replicated tensors (leader
     contributes); each rank then keeps the gradient of what it holds and steps."""
-    held = _units_of(rank, groups, tp)
-    unit = _FFN // tp
+    mine = held(rank, owners)
+    unit = _FFN // len(owners[0])
     split = dict(model.sharded())
     params = list(model.parameters())
-    lead, member = _leader(rank, groups), _in_group(rank, groups)
+    lead, member = _leader(rank, owners), _in_group(rank, owners)
 
     def contribution(p: nn.Parameter) -> torch.Tensor:
         if p.grad is None or (p not in split and not lead):
@@ -303,9 +352,9 @@ def _sync_and_step(
         off += p.numel()
         if p in split:
             mask = torch.zeros_like(g)
-            for u in held:
+            for u in mine:
                 mask.narrow(split[p], u * unit, unit).fill_(1.0)
-            p.grad = g * mask if len(held) else None
+            p.grad = g * mask if len(mine) else None
         else:
             p.grad = g if member else None
     opt.step()
@@ -313,17 +362,21 @@ def _sync_and_step(
     return float(loss_sum)
 
 
-def _rows(rank: int, groups: Sequence[Sequence[int]], tp: int) -> slice:
-    held = _units_of(rank, groups, tp)
-    unit = _FFN // tp
-    return slice(held.start * unit, held.stop * unit)
+def _rows(rank: int, owners: Owners) -> slice:
+    mine = held(rank, owners)
+    unit = _FFN // len(owners[0])
+    return slice(mine.start * unit, mine.stop * unit)
 
 
 def tp_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
     steps, seed = int(spec.get("steps", 60)), int(spec.get("seed", 0))
     dp, tp = int(spec["dp"]), int(spec["tp"])
-    if _FFN % tp or tp & (tp - 1):
-        raise ValueError(f"tp={tp}: the live TP job needs a power of two dividing {_FFN}")
+    policy = spec.get("tp_policy", "resihp")
+    if policy not in TP_POLICIES:
+        raise ValueError(f"tp_policy {policy!r}: use one of {TP_POLICIES}")
+    units = tp * _UNITS_PER_DEVICE
+    if _FFN % units or tp & (tp - 1):
+        raise ValueError(f"tp={tp}: the live TP job needs a power of two with {units} units dividing {_FFN}")
     cfg = RuntimeConfig(
         adapt=bool(spec.get("adapt", True)), time_scale=float(spec.get("time_scale", 0.02)), seed=seed
     )
@@ -331,7 +384,7 @@ def tp_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
     rt = Runtime(group, full, cfg, faults=[SlowFault(**f) for f in spec.get("faults", [])])
     model = TPModel(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    holder = _Holder(rank, group, model, opt, tp)
+    holder = _Holder(rank, group, model, opt, units)
     num_heads = 32  # the 8B preset's; a TP degree must divide it
 
     def state(speeds: Sequence[float]) -> ClusterState:
@@ -343,37 +396,39 @@ def tp_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
         state([1.0] * dp * tp), tp=tp, pp=1, dp=dp, global_microbatches=int(spec.get("microbatches", 16))
     )
     plan = base
-    holder.drop_unheld(plan.tp_groups)
-    unit_bytes = sum(x.params for x in full.layers) / tp * _BYTES_PER_PARAM
+    owners = equal_owners(plan.tp_groups, units)
+    holder.drop_unheld(owners)
+    unit_bytes = sum(x.params for x in full.layers) / units * _BYTES_PER_PARAM
     link = _link_bandwidth(spec.get("cluster", "dgx-h100"), dp * tp)
     costs = ReconfigCosts(tp_s=float(spec.get("tp_stall_s", 1.0)), pp_s=5.0, dp_s=0.0)
+    expected_s = float(spec.get("expected_slow_s", 24 * 60.0))
     planned_speeds = tuple(rt.speeds)
     losses, rows = [], []
     for step in range(steps):
         mbs, tokens = global_batch(seed, step, spec)
         total = sum(t.shape[1] - 1 for t in tokens)
-        groups = plan.tp_groups
-        rates = [group_speed(g, rt.speeds) for g in groups]
+        rates = [replica_speed(row, rt.speeds) for row in owners]
         assignment = plan_dp([rt.cost(mb) for mb in mbs], rates)
         loss_sum = torch.zeros(())
-        mine = next((r for r, g in enumerate(groups) if rank in g), None)
+        mine = next((r for r, row in enumerate(owners) if rank in row), None)
         if mine is None:  # excluded: one probe microbatch at the old share, so recovery shows
             with rt.timed(mbs[0], fraction=1 / tp):
                 pass
         else:
-            g = groups[mine]
+            g = members(owners[mine])
             tpg = _TPGroup(group, rank, g)
-            rows_ = _rows(rank, groups, tp)
+            rows_ = _rows(rank, owners)
+            fraction = len(held(rank, owners)) / units
             for i in assignment[mine]:
                 tpg.barrier()  # outside the timed block: waiting for a slow member is not my time
-                with rt.timed(mbs[i], fraction=1 / len(g)):
+                with rt.timed(mbs[i], fraction=fraction):
                     x = tokens[i]
                     seq = x.shape[1] - 1
                     loss = lm_loss(model(x[:, :-1], tpg, rows_), x[:, 1:]) * seq / total
                     loss.backward()
                 if rank == g[0]:
                     loss_sum += loss.detach()
-        losses.append(_sync_and_step(model, opt, group, loss_sum, rank, groups, tp))
+        losses.append(_sync_and_step(model, opt, group, loss_sum, rank, owners))
         report = rt.end_step(tokens=sum(sum(mb) for mb in mbs))
         row: dict[str, Any] = {
             "step": step,
@@ -382,30 +437,63 @@ def tp_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
             "alarms": [(a.unit, round(a.slowdown, 3)) for a in report.alarms],
             "threshold_alarm": report.threshold_alarm,
             "speeds": list(report.speeds),
-            "tp_groups": [list(g) for g in groups],
+            "tp_groups": [list(members(r)) for r in owners],
+            "units": [[r.count(d) for d in members(r)] for r in owners],
             "microbatches_per_replica": [len(a) for a in assignment],
             "rank_compute_s": list(report.rank_compute_s),
             "plan_log": [],
         }
         if cfg.adapt and tuple(rt.speeds) != planned_speeds:
             planned_speeds = tuple(rt.speeds)
-            if min(rt.speeds) >= 1.0 and plan.tp_groups != base.tp_groups:
-                new, log = _readmit(state(rt.speeds), base, plan, costs)
+            if policy == "resihp":
+                if min(rt.speeds) >= 1.0 and plan.tp_groups != base.tp_groups:
+                    plan, log = _readmit(state(rt.speeds), base, plan, costs)
+                else:
+                    plan, log = progressive_replan(
+                        state(rt.speeds), plan, expected_fault_duration_s=expected_s, reconfig_costs=costs
+                    )
+                new = equal_owners(plan.tp_groups, units)
             else:
-                new, log = progressive_replan(
-                    state(rt.speeds),
-                    plan,
-                    expected_fault_duration_s=float(spec.get("expected_slow_s", 24 * 60.0)),
-                    reconfig_costs=costs,
-                )
+                new, log = _uneven_replan(owners, base.tp_groups, rt.speeds, len(mbs), expected_s, costs)
             row["plan_log"] = log
-            if new.tp_groups != plan.tp_groups:
-                moved = holder.move(plan.tp_groups, new.tp_groups)
+            if new != owners:
+                moved = holder.move(owners, new)
                 rt.sleep_device(moved * unit_bytes / link + costs.tp_s)
-                row["moved_pieces"] = len(_moves(plan.tp_groups, new.tp_groups, tp))
-            plan = new
+                row["moved_pieces"] = len(_moves(owners, new))
+                owners = new
         rows.append(row)
     return {"rank": rank, "losses": losses, "reports": rows}
+
+
+def _uneven_replan(
+    owners: Owners,
+    groups: Sequence[Sequence[int]],
+    speeds: Sequence[float],
+    microbatches: int,
+    expected_s: float,
+    costs: ReconfigCosts,
+) -> tuple[Owners, list[str]]:
+    """steptune: re-split every group's units by speed (``uneven_owners``), behind ResiHP's ski-rental
+    gate on the modelled step (equal microbatches, LPT over the replicas' speeds)."""
+
+    def step_time(o: Owners) -> float:
+        rates = [replica_speed(r, speeds) for r in o]
+        return makespan(plan_dp([1.0] * microbatches, rates), [1.0] * microbatches, rates)
+
+    cand = uneven_owners(groups, speeds, len(owners[0]))
+    if cand == owners:
+        return owners, ["TP shares: no change"]
+    t0, t1 = step_time(owners), step_time(cand)
+    what = "; ".join(
+        f"dp{r} {[a.count(d) for d in members(a)]} -> {dict((d, b.count(d)) for d in members(b))}"
+        for r, (a, b) in enumerate(zip(owners, cand, strict=True))
+        if a != b
+    )
+    if should_apply(t0, t1, expected_s, costs.tp_s):
+        return cand, [f"TP shares (units per rank): {what}; step {t0:.4g} -> {t1:.4g}"]
+    return owners, [
+        f"TP shares: kept, {what} would cut the step {t0:.4g} -> {t1:.4g}: not worth {costs.tp_s} s"
+    ]
 
 
 def _readmit(
@@ -441,8 +529,9 @@ def run_tensor_parallel(spec: dict[str, Any], pool: Any = None) -> dict[str, Any
 
 
 def compare_tensor_parallel(spec: dict[str, Any]) -> dict[str, Any]:
-    """Healthy, unmitigated and adapted runs of the same seeds: ``live.summarize``'s fields plus the
-    adapted run's plan changes and final TP groups."""
+    """Healthy, unmitigated, adapted (ResiHP: exclusion, equal shares) and ``adapted_uneven`` (steptune:
+    shares by speed) runs of the same seeds: ``live.summarize``'s fields, each adapted run's plan changes
+    and final groups, and ``uneven_vs_resihp`` (the throughput ratio over the same window)."""
     from steptune.testing.spawn import SpawnPool
 
     ranks = int(spec["dp"]) * int(spec["tp"])
@@ -450,15 +539,19 @@ def compare_tensor_parallel(spec: dict[str, Any]) -> dict[str, Any]:
         runs = {
             "healthy": run_tensor_parallel({**spec, "faults": []}, pool),
             "unmitigated": run_tensor_parallel({**spec, "adapt": False}, pool),
-            "adapted": run_tensor_parallel({**spec, "adapt": True}, pool),
+            "adapted": run_tensor_parallel({**spec, "adapt": True, "tp_policy": "resihp"}, pool),
+            "adapted_uneven": run_tensor_parallel({**spec, "adapt": True, "tp_policy": "uneven"}, pool),
         }
-    adapted = runs["adapted"]["reports"]
-    return {
-        **summarize(spec, ranks, runs),
-        "plan_changes": [
+    out = summarize(spec, ranks, runs)
+    for name in ("adapted", "adapted_uneven"):
+        reports = runs[name]["reports"]
+        out[f"{name}_plan_changes"] = [
             {"step": r["step"], "log": r["plan_log"], "moved_pieces": r.get("moved_pieces", 0)}
-            for r in adapted
+            for r in reports
             if r["plan_log"]
-        ],
-        "tp_groups": adapted[-1]["tp_groups"],
-    }
+        ]
+        out[f"{name}_final"] = {"tp_groups": reports[-1]["tp_groups"], "units": reports[-1]["units"]}
+    out["plan_changes"] = out["adapted_plan_changes"]
+    tput = out["throughput_tokens_per_s"]
+    out["uneven_vs_resihp"] = tput["adapted_uneven"] / tput["adapted"]
+    return out
