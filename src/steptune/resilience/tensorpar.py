@@ -552,6 +552,7 @@ def compare_tensor_parallel(spec: dict[str, Any]) -> dict[str, Any]:
         ]
         out[f"{name}_final"] = {"tp_groups": reports[-1]["tp_groups"], "units": reports[-1]["units"]}
     out["plan_changes"] = out["adapted_plan_changes"]
+    out["losses"]["adapted_uneven"] = runs["adapted_uneven"]["losses"]
     tput = out["throughput_tokens_per_s"]
     out["uneven_vs_resihp"] = tput["adapted_uneven"] / tput["adapted"]
     return out
