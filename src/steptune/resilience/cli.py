@@ -243,7 +243,7 @@ def _run(args: argparse.Namespace) -> int:
     if pp > 1:
         spec.update(dp=dp, pp=pp)
     if tp > 1:
-        spec.update(dp=dp, tp=tp)
+        spec.update(dp=dp, tp=tp, tp_policy=args.tp_policy)
     if args.compare:
         if tp > 1:
             res = compare_tensor_parallel(spec)
@@ -289,7 +289,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"step {r['step']:3d}  {r['wall_s']:6.2f} s  {r['tokens'] / r['wall_s']:8.0f} tok/s  "
               f"loss {out['losses'][r['step']]:.4f}  speeds {[round(x, 2) for x in r['speeds']]}"
               + (f"  partition {r['partition']}" if "partition" in r else "")
-              + (f"  tp groups {r['tp_groups']}" if "tp_groups" in r else "")
+              + (f"  tp groups {r['tp_groups']} units {r['units']}" if "tp_groups" in r else "")
               + (f"  DETECTED {alarms}" if alarms else ""))  # fmt: skip
         for line in r.get("plan_log", []):
             print(f"          plan: {line}")
@@ -366,6 +366,13 @@ def register(sub: Any) -> None:
         "stage's 17 real blocks, or a TP member's gloo messages, must stay well inside the emulated time)",
     )
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--tp-policy",
+        choices=("resihp", "uneven"),
+        default="resihp",
+        help="with tp > 1: resihp excludes a slow member (equal shares, the paper); uneven is steptune's "
+        "re-split of each group's units by speed (--compare runs both)",
+    )
     run.add_argument("--no-adapt", action="store_true", help="detect only (the unmitigated baseline)")
     run.add_argument("--compare", action="store_true", help="healthy vs unmitigated vs adapted, same seeds")
     run.add_argument("--json", type=Path, default=None, help="with --compare: write the results here")
