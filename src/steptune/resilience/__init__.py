@@ -6,7 +6,8 @@ real runtime (issue #8): ``Runtime`` for live training loops (fail-slow detectio
 emulated device time), DP fail-stop survival without restarts (``failstop``), a live DP x PP pipeline
 whose planner moves layers between processes (``pipelined``), a live DP x TP job with ResiHP's
 selective TP exclusion and readmission (``tensorpar``), and the simulator's prediction of the DP and PP
-runs (``livesim``). Not built yet: link faults in the runtime.
+runs (``livesim``). Slow links: injected, detected and localized live in the DP job (no adaptation;
+not in the simulator).
 """
 
 from steptune.resilience.detect import (

@@ -204,16 +204,19 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _parse_inject(spec: str) -> dict[str, Any]:
+    """``slow:...`` (a slow device) or ``slow-link:...`` (a slow network link); ``kind`` says which."""
     kind, _, rest = spec.partition(":")
-    if kind != "slow":
+    if kind not in ("slow", "slow-link"):
         raise ValueError(
-            f"--inject {spec!r}: only slow:rank=R,factor=F,at=S[,for=D] is built (fail-stop: issue #8)"
+            f"--inject {spec!r}: use slow:rank=R,factor=F,at=S[,for=D] (a device) or slow-link:... (rank R's "
+            "network link); fail-stop is `steptune resilience failstop`"
         )
     kv = dict(item.split("=", 1) for item in rest.split(",") if item)
     unknown = sorted(set(kv) - {"rank", "factor", "at", "for"})
     if unknown or not {"rank", "factor", "at"} <= set(kv):
-        raise ValueError(f"--inject {spec!r}: expected slow:rank=R,factor=F,at=S[,for=D]")
+        raise ValueError(f"--inject {spec!r}: expected {kind}:rank=R,factor=F,at=S[,for=D]")
     fault: dict[str, Any] = {"rank": int(kv["rank"]), "factor": float(kv["factor"]), "start": int(kv["at"])}
+    fault["kind"] = kind
     if "for" in kv:
         fault["duration"] = int(kv["for"])
     return fault
@@ -234,9 +237,15 @@ def _run(args: argparse.Namespace) -> int:
     for f in faults:
         if not 0 <= f["rank"] < args.ranks:
             raise ValueError(f"--inject rank {f['rank']} is outside 0..{args.ranks - 1}")
+    links = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow-link"]
+    faults = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow"]
+    if links and pp * tp > 1:
+        raise ValueError("--inject slow-link is built for the DP layout only (its gradient all-reduce)")
     spec: dict[str, Any] = {
         "steps": args.steps,
         "faults": faults,
+        "link_faults": links,
+        "ranks_per_node": args.ranks_per_node,
         "time_scale": args.time_scale if args.time_scale is not None else (0.05 if pp * tp > 1 else 0.02),
         "seed": args.seed,
     }
@@ -254,6 +263,11 @@ def _run(args: argparse.Namespace) -> int:
               f"{res['fixed_threshold_false_alarms']} (step CV {res['healthy_step_cv']:.1%})")  # fmt: skip
         print(f"detection delay {res['detection_delay_steps']} steps, rank {res['detected_rank']}, "
               f"estimated slowdown {res['estimated_slowdown']}")  # fmt: skip
+        for x in res.get("link_alarms", []):
+            delay = res["link_detection_delay_steps"]
+            print(f"slow link detected after step {x['step']} ({delay} steps after onset): "
+                  f"rank {x['rank']}'s link, probe {x['link']} x{x['slowdown']} "
+                  "(no adaptation: see docs/resilience.md)")  # fmt: skip
         for change in res.get("plan_changes", []):
             print(f"plan change after step {change['step']}: {'; '.join(change['log'])}")
         for change in res.get("adapted_uneven_plan_changes", []):
@@ -290,7 +304,9 @@ def _run(args: argparse.Namespace) -> int:
               f"loss {out['losses'][r['step']]:.4f}  speeds {[round(x, 2) for x in r['speeds']]}"
               + (f"  partition {r['partition']}" if "partition" in r else "")
               + (f"  tp groups {r['tp_groups']} units {r['units']}" if "tp_groups" in r else "")
-              + (f"  DETECTED {alarms}" if alarms else ""))  # fmt: skip
+              + (f"  DETECTED {alarms}" if alarms else "")
+              + "".join(f"  SLOW LINK rank {x['rank']} (link {x['link']}) x{x['slowdown']}"
+                        for x in r.get("link_alarms", [])))  # fmt: skip
         for line in r.get("plan_log", []):
             print(f"          plan: {line}")
     return 0
@@ -356,7 +372,12 @@ def register(sub: Any) -> None:
         default="dp=4",
         help="dp=N, dp=N,pp=M (rank = replica * pp + stage) or dp=N,tp=M (rank = replica * tp + member)",
     )
-    run.add_argument("--inject", action="append", default=[], help="slow:rank=R,factor=F,at=S[,for=D]")
+    run.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        help="slow:rank=R,factor=F,at=S[,for=D] (a device) or slow-link:... (rank R's link; DP layout)",
+    )
     run.add_argument("--steps", type=int, default=80)
     run.add_argument(
         "--time-scale",
@@ -366,6 +387,13 @@ def register(sub: Any) -> None:
         "stage's 17 real blocks, or a TP member's gloo messages, must stay well inside the emulated time)",
     )
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="place this many ranks per node of the cluster (default: all on one); 1 puts the DP gradient "
+        "all-reduce on the network, where a slow link shows",
+    )
     run.add_argument(
         "--tp-policy",
         choices=("resihp", "uneven"),

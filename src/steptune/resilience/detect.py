@@ -40,9 +40,11 @@ class Alarm:
     unit: int | None
     """The rank or stage blamed (None when the detector cannot localize)."""
     kind: str
-    """"fail-slow" or "fail-stop"."""
+    """"fail-slow", "fail-stop" or "fail-slow-link"."""
     slowdown: float
     detector: str
+    link: tuple[int, int] | None = None
+    """For a link alarm: the (sender, receiver) ranks of the slowest probed link."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

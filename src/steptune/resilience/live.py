@@ -10,24 +10,29 @@ count, so the update does not depend on which rank ran which microbatch) and ste
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Container, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
+from steptune.resilience.runtime import LinkFault, Runtime, RuntimeConfig, SlowFault
 from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
 
 __all__ = [
+    "allreduce_seconds",
     "compare",
     "global_batch",
+    "link_bandwidth",
     "live_rank",
     "microbatch_loss",
     "proxy_model",
     "run_live",
+    "run_spawned",
     "stage_model",
     "sum_and_step",
     "summarize",
@@ -40,6 +45,36 @@ def stage_model(model: str = "llama3.1-8b", cluster: str = "dgx-h100") -> StageM
     from steptune.core.specs import cluster_preset, model_preset
 
     return StageModel(layers=model_preset(model).layers, device=cluster_preset(cluster).device)
+
+
+def link_bandwidth(cluster: str, ranks: int, ranks_per_node: int | None = None) -> float:
+    """Bytes/s of the link ``ranks`` devices of ``cluster`` share: the node's, or the network's when they
+    span nodes (``ranks_per_node``: how many share a node; default as many as fit)."""
+    from steptune.core.specs import cluster_preset
+
+    c = cluster_preset(cluster)
+    per_node = min(ranks_per_node or c.gpus_per_node, c.gpus_per_node)
+    return (c.intra if ranks <= per_node else c.inter).bandwidth
+
+
+def allreduce_seconds(spec: dict[str, Any], ranks: int) -> float:
+    """Ring all-reduce of the emulated model's bf16 gradients over the job's link: 2 (n-1)/n bytes / bw."""
+    if ranks < 2:
+        return 0.0
+    full = stage_model(spec.get("model", "llama3.1-8b"), spec.get("cluster", "dgx-h100"))
+    nbytes = 2.0 * sum(x.params for x in full.layers)
+    bw = link_bandwidth(spec.get("cluster", "dgx-h100"), ranks, spec.get("ranks_per_node"))
+    return 2.0 * (ranks - 1) / ranks * nbytes / bw
+
+
+def run_spawned(fn: Any, spec: dict[str, Any], ranks: int, pool: Any = None) -> dict[str, Any]:
+    """Rank 0's result of ``fn(rank, group, spec)`` on ``ranks`` spawned processes (``pool``: reuse one)."""
+    from steptune.testing.spawn import SpawnPool
+
+    if pool is not None:
+        return pool.run(fn, spec)[0]  # type: ignore[no-any-return]
+    with SpawnPool(ranks, timeout=600) as own:
+        return own.run(fn, spec)[0]  # type: ignore[no-any-return]
 
 
 def global_batch(
@@ -77,6 +112,7 @@ def sum_and_step(
     group: Any,
     loss_sum: torch.Tensor,
     owned: Container[int] | None = None,
+    timed: AbstractContextManager[None] | None = None,
 ) -> float:
     """All-reduce (SUM) the gradients and the loss on ``group``, then step; returns the global loss.
 
@@ -90,8 +126,9 @@ def sum_and_step(
             for p, k in zip(params, keep, strict=True)
         ]
     )
-    group.allreduce([flat]).wait()
-    group.allreduce([loss_sum]).wait()
+    with timed or contextlib.nullcontext():  # ``timed``: e.g. ``Runtime.comm_timed`` around the collective
+        group.allreduce([flat]).wait()
+        group.allreduce([loss_sum]).wait()
     off = 0
     for p, k in zip(params, keep, strict=True):
         p.grad = flat[off : off + p.numel()].view_as(p).clone() if k else None
@@ -104,11 +141,13 @@ def sum_and_step(
 def live_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
     steps, seed = int(spec.get("steps", 60)), int(spec.get("seed", 0))
     faults = [SlowFault(**f) for f in spec.get("faults", [])]
+    link_faults = [LinkFault(**f) for f in spec.get("link_faults", [])]
     cfg = RuntimeConfig(
         adapt=bool(spec.get("adapt", True)), time_scale=float(spec.get("time_scale", 0.02)), seed=seed
     )
     stage = stage_model(spec.get("model", "llama3.1-8b"), spec.get("cluster", "dgx-h100"))
-    rt = Runtime(group, stage, cfg, faults=faults)
+    rt = Runtime(group, stage, cfg, faults=faults, link_faults=link_faults)
+    sync_s = allreduce_seconds(spec, group.size())
     model = proxy_model(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
@@ -121,7 +160,9 @@ def live_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 loss = microbatch_loss(model, tokens[i], total)
                 loss.backward()
                 loss_sum += loss.detach()
-        losses.append(sum_and_step(list(model.parameters()), opt, group, loss_sum))
+        group.barrier().wait()  # outside the timed block: waiting for a slow rank is not link time
+        sync = rt.comm_timed(sync_s)  # the 8B model's gradient all-reduce, emulated over the link
+        losses.append(sum_and_step(list(model.parameters()), opt, group, loss_sum, timed=sync))
         rt.end_step()
     return {
         "rank": rank,
@@ -131,7 +172,13 @@ def live_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 "step": r.step,
                 "wall_s": r.wall_s,
                 "tokens": r.tokens,
-                "alarms": [(a.unit, round(a.slowdown, 3)) for a in r.alarms],
+                "alarms": [(a.unit, round(a.slowdown, 3)) for a in r.alarms if a.kind != "fail-slow-link"],
+                "link_alarms": [
+                    {"rank": a.unit, "link": a.link, "slowdown": round(a.slowdown, 3)}
+                    for a in r.alarms
+                    if a.kind == "fail-slow-link"
+                ],
+                "comm_s": list(r.comm_s),
                 "threshold_alarm": r.threshold_alarm,
                 "speeds": list(r.speeds),
                 "rank_compute_s": list(r.rank_compute_s),
@@ -143,17 +190,18 @@ def live_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_live(spec: dict[str, Any], ranks: int = 4, pool: Any = None) -> dict[str, Any]:
     """One run on ``ranks`` spawned processes (``pool``: reuse a ``SpawnPool``'s ranks)."""
-    from steptune.testing.spawn import SpawnPool
-
-    if pool is not None:
-        return pool.run(live_rank, spec)[0]  # type: ignore[no-any-return]
-    with SpawnPool(ranks, timeout=600) as own:
-        return own.run(live_rank, spec)[0]  # type: ignore[no-any-return]
+    return run_spawned(live_rank, spec, ranks, pool)
 
 
 def _throughput(reports: list[dict[str, Any]], first: int) -> float:
     rows = [r for r in reports if r["step"] >= first]
     return sum(r["tokens"] for r in rows) / sum(r["wall_s"] for r in rows)
+
+
+def _link_delay(spec: dict[str, Any], reports: list[dict[str, Any]]) -> int | None:
+    starts = [int(f["start"]) for f in spec.get("link_faults", [])]
+    found = [r["step"] for r in reports if r.get("link_alarms")]
+    return found[0] - min(starts) if starts and found else None
 
 
 def summarize(spec: dict[str, Any], ranks: int, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -168,7 +216,11 @@ def summarize(spec: dict[str, Any], ranks: int, runs: dict[str, dict[str, Any]])
     return {
         "ranks": ranks,
         "spec": spec,
-        "false_alarms": sum(len(r["alarms"]) for r in healthy["reports"]),
+        "false_alarms": sum(len(r["alarms"]) + len(r.get("link_alarms", [])) for r in healthy["reports"]),
+        "link_alarms": [
+            {**a, "step": r["step"]} for r in adapted["reports"] for a in r.get("link_alarms", [])
+        ],
+        "link_detection_delay_steps": _link_delay(spec, adapted["reports"]),
         "fixed_threshold_false_alarms": sum(r["threshold_alarm"] for r in healthy["reports"]),
         "detection_delay_steps": delay,
         "detected_rank": adapted["reports"][detections[0]]["alarms"][0][0] if detections else None,
@@ -190,7 +242,7 @@ def compare(spec: dict[str, Any], ranks: int = 4) -> dict[str, Any]:
 
     with SpawnPool(ranks, timeout=600) as pool:  # one spawn for the three runs
         runs = {
-            "healthy": run_live({**spec, "faults": []}, ranks, pool),
+            "healthy": run_live({**spec, "faults": [], "link_faults": []}, ranks, pool),
             "unmitigated": run_live({**spec, "adapt": False}, ranks, pool),
             "adapted": run_live({**spec, "adapt": True}, ranks, pool),
         }

@@ -30,7 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from steptune.resilience.live import PROXY_MAX, global_batch, stage_model, sum_and_step, summarize
+from steptune.resilience.live import (
+    PROXY_MAX,
+    global_batch,
+    link_bandwidth,
+    run_spawned,
+    stage_model,
+    sum_and_step,
+    summarize,
+)
 from steptune.resilience.plan import (
     ClusterState,
     ExecutionPlan,
@@ -194,7 +202,7 @@ def pipelined_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any
         max(sum(StageModel(layers=(x,), device=full.device).time(ref, p) for p in "FBW"), 1e-9)
         for x in full.layers
     )
-    link = _link_bandwidth(spec.get("cluster", "dgx-h100"), dp * pp)
+    link = link_bandwidth(spec.get("cluster", "dgx-h100"), dp * pp)
 
     def state(speeds: Sequence[float]) -> ClusterState:
         return ClusterState(speeds=tuple(min(1.0, v) for v in speeds), layer_costs=layer_costs, num_heads=1)
@@ -259,13 +267,6 @@ def _layer_bytes(full: StageModel, moves: list[tuple[int, int, int]]) -> float:
     return max(full.layers[i].params for i, _, _ in moves) * _BYTES_PER_PARAM
 
 
-def _link_bandwidth(cluster: str, ranks: int) -> float:
-    from steptune.core.specs import cluster_preset
-
-    c = cluster_preset(cluster)
-    return (c.intra if ranks <= c.gpus_per_node else c.inter).bandwidth
-
-
 def _run_pipeline(
     rt: Runtime,
     me: _Stage,
@@ -327,12 +328,7 @@ def _run_pipeline(
 
 def run_pipelined(spec: dict[str, Any], pool: Any = None) -> dict[str, Any]:
     """One run on dp x pp spawned processes (``pool``: reuse a ``SpawnPool``'s ranks)."""
-    from steptune.testing.spawn import SpawnPool
-
-    if pool is not None:
-        return pool.run(pipelined_rank, spec)[0]  # type: ignore[no-any-return]
-    with SpawnPool(int(spec["dp"]) * int(spec["pp"]), timeout=600) as own:
-        return own.run(pipelined_rank, spec)[0]  # type: ignore[no-any-return]
+    return run_spawned(pipelined_rank, spec, int(spec["dp"]) * int(spec["pp"]), pool)
 
 
 def compare_pipelined(spec: dict[str, Any]) -> dict[str, Any]:

@@ -41,12 +41,49 @@ from steptune.resilience.detect import Alarm, ResiHPConfig, ResiHPDetector
 from steptune.resilience.predict import PredictorConfig, WorkloadPredictor
 from steptune.resilience.workload import StageModel, features
 
-__all__ = ["IterationThreshold", "Runtime", "RuntimeConfig", "SlowFault", "StepReport", "lpt_assign"]
+__all__ = [
+    "IterationThreshold",
+    "LinkFault",
+    "Runtime",
+    "RuntimeConfig",
+    "SlowFault",
+    "StepReport",
+    "lpt_assign",
+]
+
+
+_MIN_EMULATED_COMM_S = 0.005
+"""Emulated collectives shorter than this in wall seconds are not judged: the real gloo call's
+millisecond jitter on a shared CPU would be most of the sample (an 8B all-reduce over NVLink at time
+scale 0.02 lasts 1 ms). GPUs time the real collective and have no such floor."""
+
+
+_VALIDATE = 1.25
+"""A probed link counts as slow above 1.25 x both its model and the fastest probe: ResiHP validates only
+slowdowns over 25%."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SlowFault:
     """Rank ``rank`` runs ``factor`` x slower from step ``start`` for ``duration`` steps (None: forever)."""
+
+    rank: int
+    factor: float
+    start: int
+    duration: int | None = None
+
+    def factor_at(self, rank: int, step: int) -> float:
+        if rank != self.rank or step < self.start:
+            return 1.0
+        if self.duration is not None and step >= self.start + self.duration:
+            return 1.0
+        return self.factor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkFault:
+    """Transfers through rank ``rank``'s network link take ``factor`` x longer from step ``start`` for
+    ``duration`` steps (None: forever): a degraded NIC, cable or switch port."""
 
     rank: int
     factor: float
@@ -90,6 +127,8 @@ class StepReport:
     threshold_alarm: bool
     speeds: tuple[float, ...]
     """Relative speeds the next step's plan uses."""
+    comm_s: tuple[float, ...] = ()
+    """Per rank: seconds measured in ``comm_timed`` collectives this step (emulated when emulating)."""
 
 
 class IterationThreshold:
@@ -126,15 +165,20 @@ class Runtime:
         config: RuntimeConfig | None = None,
         *,
         faults: Sequence[SlowFault] = (),
+        link_faults: Sequence[LinkFault] = (),
     ) -> None:
         self.group = group
         self.rank, self.world = group.rank(), group.size()
         self.stage = stage
         self.config = config or RuntimeConfig()
         self.faults = tuple(faults)
-        for f in self.faults:
+        self.link_faults = tuple(link_faults)
+        checks: list[SlowFault | LinkFault] = [*self.faults, *self.link_faults]
+        for f in checks:
             if not 0 <= f.rank < self.world or f.factor <= 0:
                 raise ValueError(f"{f}: rank must be in [0, {self.world}) and factor > 0")
+        self.comm_detector = ResiHPDetector(self.config.detector)
+        self._comm: list[tuple[float, float]] = []  # (modelled healthy seconds, observed seconds)
         self.predictor = WorkloadPredictor(self.config.predictor)
         self.detector = ResiHPDetector(self.config.detector)
         self.threshold = IterationThreshold(self.config.iteration_threshold)
@@ -196,6 +240,69 @@ class Runtime:
         n, q = features(lengths)
         self._samples.append((n, q, observed / share))
 
+    def link_slowdown(self, rank: int) -> float:
+        return math.prod(f.factor_at(rank, self.step) for f in self.link_faults)
+
+    @contextlib.contextmanager
+    def comm_timed(self, seconds: float, ranks: Sequence[int] | None = None) -> Iterator[None]:
+        """Time a collective over ``ranks`` (default: the group) whose healthy time is ``seconds`` (the
+        cost model: bytes over the link). Emulated, it lasts ``seconds`` x the slowest link among
+        ``ranks`` x noise: a ring or tree is paced by its slowest link. ``end_step`` gives the samples to
+        a detector of their own; an alarm there is validated by ``probe_links``."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        yield
+        if cfg.emulate:
+            slow = max(self.link_slowdown(r) for r in (ranks if ranks is not None else range(self.world)))
+            rest = seconds * slow * float(self._rng.lognormal(0.0, cfg.noise_sigma)) * cfg.time_scale
+            rest -= time.perf_counter() - t0
+            if rest > 0:
+                time.sleep(rest)
+        observed = (time.perf_counter() - t0) / (cfg.time_scale if cfg.emulate else 1.0)
+        if not cfg.emulate or seconds * cfg.time_scale >= _MIN_EMULATED_COMM_S:
+            self._comm.append((seconds, observed))
+
+    def probe_links(self, seconds: float) -> list[float]:
+        """Validation: every rank sends a probe to its ring successor and times it (``seconds`` healthy;
+        emulated through the slower of the two ends' links). Returns the time of link r -> r+1 for
+        every r, on every rank (all-gathered)."""
+        succ, pred = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        out, into = torch.zeros(1), torch.zeros(1)
+        t0 = time.perf_counter()
+        work = self.group.send([out], succ, 77_000_000)
+        self.group.recv([into], pred, 77_000_000).wait()
+        work.wait()
+        if self.config.emulate:
+            slow = max(self.link_slowdown(self.rank), self.link_slowdown(succ))
+            noise = float(self._rng.lognormal(0.0, self.config.noise_sigma))
+            rest = seconds * slow * noise * self.config.time_scale - (time.perf_counter() - t0)
+            if rest > 0:
+                time.sleep(rest)
+        mine = torch.tensor(
+            [(time.perf_counter() - t0) / (self.config.time_scale if self.config.emulate else 1.0)]
+        )
+        every = [torch.zeros(1) for _ in range(self.world)]
+        self.group.allgather([every], [mine]).wait()
+        return [float(t) for t in every]
+
+    def _localize(self, probes: Sequence[float], seconds: float) -> Alarm | None:
+        """The rank both of whose ring links are slow (its NIC), else the single slowest link, else the
+        fabric if every probe is slower than modelled; None if the probes find nothing (not validated)."""
+        base = min(probes)  # the fastest link is healthy unless every link is slow
+        slow = [r for r, t in enumerate(probes) if t > _VALIDATE * base and t > _VALIDATE * seconds]
+        n = self.world
+        if not slow:  # every link alike: the whole fabric if slower than modelled, else a false alarm
+            if base < _VALIDATE * seconds:
+                return None
+            return Alarm(step=self.step, unit=None, kind="fail-slow-link", slowdown=base / seconds,
+                         detector="resihp-link")  # fmt: skip
+        worst = max(slow, key=lambda r: probes[r])
+        ratio = probes[worst] / base
+        ends = [r for r in range(n) if (r - 1) % n in slow and r in slow]
+        unit = ends[0] if len(ends) == 1 else None
+        return Alarm(step=self.step, unit=unit, kind="fail-slow-link", slowdown=ratio, detector="resihp-link",
+                     link=(worst, (worst + 1) % n))  # fmt: skip
+
     def sleep_device(self, seconds: float) -> None:
         """Emulate ``seconds`` of device-side work that is not a microbatch (e.g. moving layers)."""
         if self.config.emulate and seconds > 0:
@@ -214,6 +321,19 @@ class Runtime:
         self.group.allgather([rows], [mine]).wait()
         return [[tuple(map(float, r)) for r in rows[k][: int(every[k].item())]] for k in range(self.world)]  # type: ignore[misc]
 
+    def _gather_comm(self) -> tuple[list[float], list[float]] | None:
+        """(modelled, observed) seconds of this step's ``comm_timed`` collectives, per rank; None if the
+        loop times none (every rank calls it, so the all-gather matches on all of them)."""
+        mine = torch.tensor(
+            [sum(m for m, _ in self._comm), sum(o for _, o in self._comm)], dtype=torch.float64
+        )
+        self._comm = []
+        rows = [torch.zeros(2, dtype=torch.float64) for _ in range(self.world)]
+        self.group.allgather([rows], [mine]).wait()
+        if all(float(r[0]) <= 0 for r in rows):
+            return None
+        return [float(r[0]) for r in rows], [float(r[1]) for r in rows]
+
     def end_step(self, tokens: int | None = None) -> StepReport:
         """The safe point; ``tokens``: the step's global tokens when ``assign`` was not used."""
         if tokens is not None:
@@ -230,6 +350,7 @@ class Runtime:
         for s in per_rank:  # identical on every rank: the predictor learns only healthy samples
             for n, q, t in s:
                 self.predictor.observe("fb", n, q, t)
+        comm = self._gather_comm()
         alarms: list[Alarm] = []
         if predicted is not None:  # a rank that ran nothing this step has nothing to judge
             busy = [r for r, s in enumerate(per_rank) if s]
@@ -249,6 +370,16 @@ class Runtime:
                         and compute[r] < self.config.detector.recover * predicted[r]
                     ):
                         self.speeds[r] = 1.0
+        if comm is not None:  # the collective is slower than its model on every rank: find the link
+            modelled, observed = comm  # one unit: a collective is paced by its slowest link on every rank
+            hits = self.comm_detector.observe(
+                self.step, {0: statistics.fmean(observed)}, {0: statistics.fmean(modelled)}
+            )
+            if hits:
+                probe = max(modelled)  # as long as the collective, so real messaging stays small
+                found = self._localize(self.probe_links(probe), probe)
+                if found is not None:
+                    alarms.append(found)
         report = StepReport(
             step=self.step,
             wall_s=wall,
@@ -258,6 +389,7 @@ class Runtime:
             alarms=tuple(alarms),
             threshold_alarm=self.threshold.observe(wall),
             speeds=tuple(self.speeds),
+            comm_s=tuple(comm[1]) if comm is not None else (),
         )
         self.reports.append(report)
         self.step += 1

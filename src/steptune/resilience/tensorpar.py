@@ -41,7 +41,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from steptune.pipeline.stages import lm_loss
-from steptune.resilience.live import PROXY_MAX, global_batch, stage_model, summarize
+from steptune.resilience.live import (
+    PROXY_MAX,
+    global_batch,
+    link_bandwidth,
+    run_spawned,
+    stage_model,
+    summarize,
+)
 from steptune.resilience.plan import (
     ClusterState,
     ExecutionPlan,
@@ -399,7 +406,7 @@ def tp_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
     owners = equal_owners(plan.tp_groups, units)
     holder.drop_unheld(owners)
     unit_bytes = sum(x.params for x in full.layers) / units * _BYTES_PER_PARAM
-    link = _link_bandwidth(spec.get("cluster", "dgx-h100"), dp * tp)
+    link = link_bandwidth(spec.get("cluster", "dgx-h100"), dp * tp)
     costs = ReconfigCosts(tp_s=float(spec.get("tp_stall_s", 1.0)), pp_s=5.0, dp_s=0.0)
     expected_s = float(spec.get("expected_slow_s", 24 * 60.0))
     planned_speeds = tuple(rt.speeds)
@@ -511,21 +518,9 @@ def _readmit(
     return new, [f"TP: readmitting recovered device(s) {gone}; groups back to {list(base.tp_groups)}"]
 
 
-def _link_bandwidth(cluster: str, ranks: int) -> float:
-    from steptune.core.specs import cluster_preset
-
-    c = cluster_preset(cluster)
-    return (c.intra if ranks <= c.gpus_per_node else c.inter).bandwidth
-
-
 def run_tensor_parallel(spec: dict[str, Any], pool: Any = None) -> dict[str, Any]:
     """One run on dp x tp spawned processes (``pool``: reuse a ``SpawnPool``'s ranks)."""
-    from steptune.testing.spawn import SpawnPool
-
-    if pool is not None:
-        return pool.run(tp_rank, spec)[0]  # type: ignore[no-any-return]
-    with SpawnPool(int(spec["dp"]) * int(spec["tp"]), timeout=600) as own:
-        return own.run(tp_rank, spec)[0]  # type: ignore[no-any-return]
+    return run_spawned(tp_rank, spec, int(spec["dp"]) * int(spec["tp"]), pool)
 
 
 def compare_tensor_parallel(spec: dict[str, Any]) -> dict[str, Any]:

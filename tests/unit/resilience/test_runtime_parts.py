@@ -36,3 +36,31 @@ def test_bad_injection_and_layout_say_what_to_write():
     assert main(["resilience", "run", "--layout", "dp=1,tp=2,pp=2"]) != 0
     assert main(["resilience", "run", "--layout", "dp=2,tp=2", "--ranks", "2"]) != 0
     assert main(["resilience", "run", "--inject", "slow:rank=7,factor=2,at=3"]) != 0
+
+
+def test_link_localization_from_ring_probes():
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.runtime import LinkFault, Runtime
+
+    class _Four:
+        def rank(self) -> int:
+            return 0
+
+        def size(self) -> int:
+            return 4
+
+    rt = Runtime(_Four(), stage_model())
+    # Probe r times link r -> r+1. Rank 2's NIC carries links 1->2 and 2->3.
+    nic = rt._localize([1.0, 4.1, 3.9, 1.02], 1.0)
+    assert nic is not None and nic.kind == "fail-slow-link"
+    assert nic.unit == 2 and nic.link == (1, 2) and abs(nic.slowdown - 4.1) < 1e-9
+    # One slow cable between 3 and 0: the link, not a rank.
+    cable = rt._localize([1.0, 1.0, 1.05, 3.0], 1.0)
+    assert cable is not None and cable.unit is None and cable.link == (3, 0)
+    # Every link alike (the fabric): no link or rank to blame.
+    fabric = rt._localize([2.0, 2.1, 2.05, 2.0], 1.0)
+    assert fabric is not None and fabric.unit is None and fabric.link is None
+    # Probes as fast as modelled: the collective's alarm is not validated.
+    assert rt._localize([1.0, 1.02, 0.98, 1.05], 1.0) is None
+    with pytest.raises(ValueError, match="factor"):
+        Runtime(_Four(), stage_model(), link_faults=[LinkFault(rank=1, factor=0.0, start=0)])
