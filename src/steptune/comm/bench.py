@@ -148,15 +148,20 @@ def rs_staging_bench(
     }
 
 
-def run_bench(*, quick: bool = False, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """The comm benchmark JSON: ``"gloo"`` measured on this box, ``"sim"`` the cost model (SIMULATED)."""
+def run_bench(
+    *, quick: bool = False, smoke: bool = False, progress: Callable[[str], None] = lambda s: None
+) -> dict[str, Any]:
+    """The comm benchmark JSON: ``"gloo"`` measured on this box, ``"sim"`` the cost model (SIMULATED).
+
+    ``quick``: fewer world sizes and models; ``smoke``: the least that runs every path (W = 2, the MLP).
+    """
     fsdp = fsdp_bench(
-        (2, 4) if quick else (2, 3, 4),
-        ("mlp", "qwen3") if quick else ("mlp", "qwen3", "llama"),
-        steps=3 if quick else 5,
+        (2,) if smoke else (2, 4) if quick else (2, 3, 4),
+        ("mlp",) if smoke else ("mlp", "qwen3") if quick else ("mlp", "qwen3", "llama"),
+        steps=2 if smoke else 3 if quick else 5,
         progress=progress,
     )
-    rs = rs_staging_bench((2, 4, 8) if quick else tuple(range(2, 9)), progress=progress)
+    rs = rs_staging_bench((2, 4) if smoke else (2, 4, 8) if quick else tuple(range(2, 9)), progress=progress)
     runs = fsdp["runs"]
 
     def total(key: str, path: str) -> int:

@@ -17,7 +17,7 @@ def test_failure_rate_sweep() -> None:
         kinds=("fail-stop",),
         rate_scales=(0.5, 2.0),
         duration_s=1800.0,
-        detector_runs=4,
+        detector_runs=2,
         workers=1,
     )
     lo, hi = res["rows"]
