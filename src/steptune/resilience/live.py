@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from steptune.resilience.runtime import LinkFault, Runtime, RuntimeConfig, SlowFault
+from steptune.resilience.runtime import LinkFault, Runtime, RuntimeConfig, SlowFault, StepReport
 from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "live_rank",
     "microbatch_loss",
     "proxy_model",
+    "report_row",
     "run_live",
     "run_spawned",
     "stage_model",
@@ -167,24 +168,26 @@ def live_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "rank": rank,
         "losses": losses,
-        "reports": [
-            {
-                "step": r.step,
-                "wall_s": r.wall_s,
-                "tokens": r.tokens,
-                "alarms": [(a.unit, round(a.slowdown, 3)) for a in r.alarms if a.kind != "fail-slow-link"],
-                "link_alarms": [
-                    {"rank": a.unit, "link": a.link, "slowdown": round(a.slowdown, 3)}
-                    for a in r.alarms
-                    if a.kind == "fail-slow-link"
-                ],
-                "comm_s": list(r.comm_s),
-                "threshold_alarm": r.threshold_alarm,
-                "speeds": list(r.speeds),
-                "rank_compute_s": list(r.rank_compute_s),
-            }
-            for r in rt.reports
+        "reports": [report_row(r) for r in rt.reports],
+    }
+
+
+def report_row(r: StepReport) -> dict[str, Any]:
+    """A step report as the live jobs' JSON rows carry it (compute alarms, link alarms, timings)."""
+    return {
+        "step": r.step,
+        "wall_s": r.wall_s,
+        "tokens": r.tokens,
+        "alarms": [(a.unit, round(a.slowdown, 3)) for a in r.alarms if a.kind != "fail-slow-link"],
+        "link_alarms": [
+            {"rank": a.unit, "link": a.link, "slowdown": round(a.slowdown, 3)}
+            for a in r.alarms
+            if a.kind == "fail-slow-link"
         ],
+        "comm_s": list(r.comm_s),
+        "threshold_alarm": r.threshold_alarm,
+        "speeds": list(r.speeds),
+        "rank_compute_s": list(r.rank_compute_s),
     }
 
 

@@ -81,21 +81,10 @@ class SlowFault:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LinkFault:
+class LinkFault(SlowFault):
     """Transfers through rank ``rank``'s network link take ``factor`` x longer from step ``start`` for
-    ``duration`` steps (None: forever): a degraded NIC, cable or switch port."""
-
-    rank: int
-    factor: float
-    start: int
-    duration: int | None = None
-
-    def factor_at(self, rank: int, step: int) -> float:
-        if rank != self.rank or step < self.start:
-            return 1.0
-        if self.duration is not None and step >= self.start + self.duration:
-            return 1.0
-        return self.factor
+    ``duration`` steps (None: forever): a degraded NIC, cable or switch port. Same fields as
+    ``SlowFault``; the Runtime keeps the two apart (``faults`` vs ``link_faults``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,7 +162,7 @@ class Runtime:
         self.config = config or RuntimeConfig()
         self.faults = tuple(faults)
         self.link_faults = tuple(link_faults)
-        checks: list[SlowFault | LinkFault] = [*self.faults, *self.link_faults]
+        checks: list[SlowFault] = [*self.faults, *self.link_faults]
         for f in checks:
             if not 0 <= f.rank < self.world or f.factor <= 0:
                 raise ValueError(f"{f}: rank must be in [0, {self.world}) and factor > 0")

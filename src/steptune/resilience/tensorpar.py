@@ -45,6 +45,7 @@ from steptune.resilience.live import (
     PROXY_MAX,
     global_batch,
     link_bandwidth,
+    report_row,
     run_spawned,
     stage_model,
     summarize,
@@ -438,16 +439,10 @@ def tp_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
         losses.append(_sync_and_step(model, opt, group, loss_sum, rank, owners))
         report = rt.end_step(tokens=sum(sum(mb) for mb in mbs))
         row: dict[str, Any] = {
-            "step": step,
-            "wall_s": report.wall_s,
-            "tokens": report.tokens,
-            "alarms": [(a.unit, round(a.slowdown, 3)) for a in report.alarms],
-            "threshold_alarm": report.threshold_alarm,
-            "speeds": list(report.speeds),
+            **report_row(report),
             "tp_groups": [list(members(r)) for r in owners],
             "units": [[r.count(d) for d in members(r)] for r in owners],
             "microbatches_per_replica": [len(a) for a in assignment],
-            "rank_compute_s": list(report.rank_compute_s),
             "plan_log": [],
         }
         if cfg.adapt and tuple(rt.speeds) != planned_speeds:
