@@ -31,6 +31,7 @@ __all__ = [
     "live_rank",
     "microbatch_loss",
     "proxy_model",
+    "reference_losses",
     "report_row",
     "run_live",
     "run_spawned",
@@ -170,6 +171,29 @@ def live_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
         "losses": losses,
         "reports": [report_row(r) for r in rt.reports],
     }
+
+
+def reference_losses(spec: dict[str, Any], model: nn.Module, forward: Any = None) -> list[float]:
+    """The live jobs' training in one process (no DP, PP or TP): SGD, lr 0.05, momentum 0.9, the same
+    global batches and token weighting. ``forward(model, x)`` gives logits (default ``model(x)``). Every
+    layout's losses must reproduce these."""
+    from steptune.pipeline.stages import lm_loss
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    out = []
+    for step in range(int(spec["steps"])):
+        _, tokens = global_batch(int(spec["seed"]), step, spec)
+        total = sum(t.shape[1] - 1 for t in tokens)
+        loss_sum = 0.0
+        for t in tokens:
+            logits = forward(model, t[:, :-1]) if forward else model(t[:, :-1])
+            loss = lm_loss(logits, t[:, 1:]) * (t.shape[1] - 1) / total
+            loss.backward()
+            loss_sum += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        out.append(loss_sum)
+    return out
 
 
 def report_row(r: StepReport) -> dict[str, Any]:

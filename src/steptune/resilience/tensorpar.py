@@ -449,7 +449,7 @@ def tp_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
             planned_speeds = tuple(rt.speeds)
             if policy == "resihp":
                 if min(rt.speeds) >= 1.0 and plan.tp_groups != base.tp_groups:
-                    plan, log = _readmit(state(rt.speeds), base, plan, costs)
+                    plan, log = _readmit(base, plan)
                 else:
                     plan, log = progressive_replan(
                         state(rt.speeds), plan, expected_fault_duration_s=expected_s, reconfig_costs=costs
@@ -498,9 +498,7 @@ def _uneven_replan(
     ]
 
 
-def _readmit(
-    state: ClusterState, base: ExecutionPlan, plan: ExecutionPlan, costs: ReconfigCosts
-) -> tuple[ExecutionPlan, list[str]]:
+def _readmit(base: ExecutionPlan, plan: ExecutionPlan) -> tuple[ExecutionPlan, list[str]]:
     """Every device is healthy again: the first plan's groups come back (a recovered device adds a
     whole device of throughput, which pays for a ``tp_s`` stall within steps)."""
     gone = sorted({d for g in base.tp_groups for d in g} - {d for g in plan.tp_groups for d in g})

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from steptune.resilience.live import global_batch
+from steptune.resilience.live import reference_losses
 from steptune.resilience.pipelined import _layers, run_pipelined
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -12,24 +12,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 def _reference_losses(spec: dict) -> list[float]:
     """The same training in one process, no pipeline, no DP: what every layout must reproduce."""
-    from steptune.pipeline.stages import lm_loss
-
-    layers = _layers(spec["seed"], 32)
-    model = torch.nn.Sequential(*layers)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    out = []
-    for step in range(spec["steps"]):
-        _, tokens = global_batch(spec["seed"], step, spec)
-        total = sum(t.shape[1] - 1 for t in tokens)
-        loss_sum = 0.0
-        for t in tokens:
-            loss = lm_loss(model(t[:, :-1]), t[:, 1:]) * (t.shape[1] - 1) / total
-            loss.backward()
-            loss_sum += float(loss.detach())
-        opt.step()
-        opt.zero_grad()
-        out.append(loss_sum)
-    return out
+    return reference_losses(spec, torch.nn.Sequential(*_layers(spec["seed"], 32)))
 
 
 def test_slow_stage_detected_layers_moved_training_unchanged():

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from steptune.pipeline.stages import lm_loss
-from steptune.resilience.live import global_batch
+from steptune.resilience.live import reference_losses
 from steptune.resilience.tensorpar import TPModel, _TPGroup, run_tensor_parallel
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -14,22 +13,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 def _reference_losses(spec: dict) -> list[float]:
     """The same training in one process, no TP, no DP: what every layout must reproduce."""
-    model = TPModel(spec["seed"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     alone = _TPGroup(None, 0, (0,))
-    out = []
-    for step in range(spec["steps"]):
-        _, tokens = global_batch(spec["seed"], step, spec)
-        total = sum(t.shape[1] - 1 for t in tokens)
-        loss_sum = 0.0
-        for t in tokens:
-            loss = lm_loss(model(t[:, :-1], alone, slice(None)), t[:, 1:]) * (t.shape[1] - 1) / total
-            loss.backward()
-            loss_sum += float(loss.detach())
-        opt.step()
-        opt.zero_grad()
-        out.append(loss_sum)
-    return out
+    return reference_losses(spec, TPModel(spec["seed"]), lambda m, x: m(x, alone, slice(None)))
 
 
 def _summary(rows: list[dict]) -> str:
