@@ -42,7 +42,7 @@ from steptune.resilience.live import global_batch, microbatch_loss, proxy_model,
 from steptune.resilience.runtime import lpt_assign
 from steptune.resilience.workload import StageModel
 
-__all__ = ["compare_failstop", "run_failstop"]
+__all__ = ["compare_failstop", "rejoin", "run_failstop"]
 
 
 def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, seed: int, step: int,
@@ -114,59 +114,75 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
             gc.collect()
             opt.zero_grad()
             gen += 1
-            store.set(f"alive/{gen}/{orig}", str(step))
-            store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
-            members = json.loads(store.get(f"members/{gen}").decode())
-            group = new_gloo_group(
-                store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout
-            )
-            done = torch.tensor([float(step)])
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MIN
-            group.allreduce([done], opts).wait()
-            resume = int(done.item())
+            members, group, resume = rejoin(store, orig, gen, step, timeout)
             if resume != step:  # got further than a peer: back to the common safe point
                 model.load_state_dict(snapshots[resume][0])
                 opt.load_state_dict(snapshots[resume][1])
                 step = resume
                 losses = {k: v for k, v in losses.items() if k < resume}
-    out.put((orig, {k: losses[k] for k in sorted(losses)}, time.time()))
+    out.put((orig, {k: losses[k] for k in sorted(losses)}, {}))
+
+
+def rejoin(
+    store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta
+) -> tuple[list[int], Any, int]:
+    """After a failed collective: announce this rank alive for generation ``gen``, wait for the launcher's
+    member list, build the survivors' group and agree on the step to resume from (the lowest one any
+    survivor was at). Returns (members by original rank, new group, resume step)."""
+    store.set(f"alive/{gen}/{orig}", str(step))
+    store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
+    members = json.loads(store.get(f"members/{gen}").decode())
+    group = new_gloo_group(store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout)
+    done = torch.tensor([float(step)])
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([done], opts).wait()
+    return members, group, int(done.item())
 
 
 def _launch(
-    world: int, spec: dict[str, Any], ctx: Any, store: Any, out: Any, members: list[int]
+    world: int, spec: dict[str, Any], ctx: Any, store: Any, out: Any, members: list[int], worker: Any
 ) -> dict[int, Any]:
     return {
         r: ctx.Process(
-            target=_worker, args=(r, world, store.port, {**spec, "members": members}, out), daemon=True
+            target=worker, args=(r, world, store.port, {**spec, "members": members}, out), daemon=True
         )
         for r in members
     }
 
 
-def run_failstop(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one job (``spec["mode"]``: ``survive`` or ``restart``); returns losses by step and wall time."""
+def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
+    """Run one job (``spec["mode"]``: ``survive`` or ``restart``); returns losses by step and wall time.
+
+    ``worker(orig, world, port, spec, out)`` is the rank body (default: the DP job); it puts
+    ``(orig, losses by step, info)`` on ``out`` when done.
+    """
+    worker = worker or _worker
     world = int(spec.get("ranks", 4))
     ctx = mp.get_context("spawn")
     store = master_store()
     out = ctx.Queue()
-    procs = _launch(world, spec, ctx, store, out, list(range(world)))
+    procs = _launch(world, spec, ctx, store, out, list(range(world)), worker)
     t0 = time.time()
     for p in procs.values():
         p.start()
-    gen, alive, finished = 0, set(procs), {}
+    gen, alive, finished, infos = 0, set(procs), {}, {}
     deadline = t0 + float(spec.get("timeout_s", 300))
     restarts = 0
     while len(finished) < len(alive) and time.time() < deadline:
         try:
-            rank, losses, _ = out.get(timeout=0.05)
-            finished[rank] = losses
+            rank, losses, info = out.get(timeout=0.05)
+            finished[rank], infos[rank] = losses, info
             continue
         except queue.Empty:
             pass
         dead = [r for r in alive if not procs[r].is_alive() and r not in finished]
         if not dead:
             continue
+        if spec.get("mode") == "restart":
+            # Workers that saw a collective fail exit with 1 (torchrun stops them anyway); the lost one is
+            # the one that did not (SIGKILLed). Polling may see both at once, so tell them apart here.
+            dead = [r for r in dead if procs[r].exitcode != 1] or dead
         alive -= set(dead)
         if spec.get("mode") == "restart":  # torchrun: stop everyone, start N-1 fresh from the checkpoint
             for r in alive:
@@ -176,7 +192,7 @@ def run_failstop(spec: dict[str, Any]) -> dict[str, Any]:
             restarts += 1
             members = sorted(alive)
             spec = {**spec, "resume": True, "gen": 100 + restarts}
-            procs.update(_launch(world, spec, ctx, store, out, members))
+            procs.update(_launch(world, spec, ctx, store, out, members, worker))
             for r in members:
                 procs[r].start()
         else:
@@ -186,12 +202,15 @@ def run_failstop(spec: dict[str, Any]) -> dict[str, Any]:
     for p in procs.values():
         if p.is_alive():
             p.kill()
+    if not finished:
+        raise RuntimeError("every rank of the fail-stop run exited without finishing; their stderr says why")
     if len(finished) < len(alive):
         raise TimeoutError(
             f"fail-stop run did not finish in {spec.get('timeout_s', 300)} s ({sorted(finished)} done)"
         )
     losses = next(iter(finished.values()))
     return {
+        "info": infos[min(infos)],
         "mode": spec.get("mode"),
         "wall_s": wall,
         "losses": losses,
@@ -200,28 +219,36 @@ def run_failstop(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def compare_failstop(spec: dict[str, Any]) -> dict[str, Any]:
-    """Failure-free reference, survival, and torchrun-style restart from a checkpoint, same seeds."""
+def compare_failstop(
+    spec: dict[str, Any], worker: Any = None, reference: list[float] | None = None
+) -> dict[str, Any]:
+    """Failure-free reference, survival, and torchrun-style restart from a checkpoint, same seeds.
+
+    ``reference``: the failure-free losses by step when the caller has them (e.g. ``live.reference_losses``,
+    one process); then no failure-free job is spawned and its wall time is not reported.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         base = {"ranks": 4, "steps": 20, "seed": 0, "time_scale": 0.01, **spec}
-        ref = run_failstop({**base, "mode": "survive", "kill_rank": None})
-        survive = run_failstop({**base, "mode": "survive"})
-        restart = run_failstop({**base, "mode": "restart", "checkpoint": str(Path(tmp) / "ckpt.pt"),
-                                "checkpoint_every": int(spec.get("checkpoint_every", 5))})  # fmt: skip
-    steps = sorted(ref["losses"])
+        runs = {}
+        if reference is None:
+            runs["reference"] = run_failstop({**base, "mode": "survive", "kill_rank": None}, worker)
+        runs["survive"] = run_failstop({**base, "mode": "survive"}, worker)
+        ckpt = {
+            "checkpoint": str(Path(tmp) / "ckpt.pt"),
+            "checkpoint_every": int(spec.get("checkpoint_every", 5)),
+        }
+        runs["restart"] = run_failstop({**base, "mode": "restart", **ckpt}, worker)
+    ref = runs["reference"]["losses"] if reference is None else dict(enumerate(reference))
 
     def diff(run: dict[str, Any]) -> float:
-        return max(
-            abs(run["losses"][k] - ref["losses"][k]) / max(abs(ref["losses"][k]), 1e-12) for k in steps
-        )
+        return max(abs(run["losses"][k] - ref[k]) / max(abs(ref[k]), 1e-12) for k in sorted(ref))
 
     return {
         "spec": base,
-        "steps_completed": {
-            m: len(r["losses"]) for m, r in (("reference", ref), ("survive", survive), ("restart", restart))
-        },
-        "max_loss_rel_diff": {"survive": diff(survive), "restart": diff(restart)},
-        "wall_s": {"reference": ref["wall_s"], "survive": survive["wall_s"], "restart": restart["wall_s"]},
-        "survivors": survive["survivors"],
-        "losses": {"reference": ref["losses"], "survive": survive["losses"], "restart": restart["losses"]},
+        "steps_completed": {"reference": len(ref), **{m: len(r["losses"]) for m, r in runs.items()}},
+        "max_loss_rel_diff": {"survive": diff(runs["survive"]), "restart": diff(runs["restart"])},
+        "wall_s": {m: r["wall_s"] for m, r in runs.items()},
+        "survivors": runs["survive"]["survivors"],
+        "recovery": {"survive": runs["survive"]["info"], "restart": runs["restart"]["info"]},
+        "losses": {"reference": ref, **{m: r["losses"] for m, r in runs.items()}},
     }

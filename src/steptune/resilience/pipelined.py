@@ -24,7 +24,8 @@ Each step:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -51,7 +52,14 @@ from steptune.resilience.plan import (
 from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
 from steptune.resilience.workload import StageModel, features
 
-__all__ = ["compare_pipelined", "one_f_one_b_order", "parse_layout", "pipelined_rank", "run_pipelined"]
+__all__ = [
+    "compare_pipelined",
+    "one_f_one_b_order",
+    "parse_layout",
+    "pipelined_rank",
+    "run_pipelined",
+    "run_stage",
+]
 
 _HIDDEN = 32
 _VOCAB = 64
@@ -128,7 +136,7 @@ class _Stage:
                 self.opt.state[p] = {"momentum_buffer": flat[off + n : off + 2 * n].view_as(p).clone()}
                 off += 2 * n
 
-    def move(self, moves: list[tuple[int, int, int]]) -> None:
+    def move(self, moves: list[tuple[int, int, int]], *, keep_sent: bool = False) -> None:
         """Send or receive each (layer, src rank, dst rank) this rank takes part in.
 
         Every send is posted before the first blocking receive, so ranks that both give and take layers
@@ -148,7 +156,7 @@ class _Stage:
         for work, _ in works:
             work.wait()
         for idx, src, _ in moves:
-            if src == self.rank:
+            if src == self.rank and not keep_sent:  # keep_sent: a copy (restoring a lost replica)
                 self.poison(idx)
 
 
@@ -224,7 +232,11 @@ def pipelined_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any
         assignment = plan_dp([rt.cost(mb) for mb in mbs], rates, base=base)
         mine = assignment[replica]
         part = StageModel(layers=tuple(full.layers[i] for i in me.owned), device=full.device)
-        loss_sum = _run_pipeline(rt, me, part, stage, pp, mine, mbs, tokens, total)
+        prev, nxt = (rank - 1 if stage > 0 else None), (rank + 1 if stage < pp - 1 else None)
+        loss_sum = run_stage(
+            me, prev, nxt, stage, pp, mine, tokens, total,
+            lambda i, ph: rt.timed(mbs[i], part=part, phases=ph),  # noqa: B023 (called within the step)
+        )  # fmt: skip
         owned = {k for k, i in enumerate(param_layer) if i in me.owned}  # layer-wise gradient sync
         losses.append(sum_and_step(params, opt, group, loss_sum, owned))
         report = rt.end_step(tokens=sum(sum(mb) for mb in mbs))
@@ -262,60 +274,63 @@ def _layer_bytes(full: StageModel, moves: list[tuple[int, int, int]]) -> float:
     return max(full.layers[i].params for i, _, _ in moves) * _BYTES_PER_PARAM
 
 
-def _run_pipeline(
-    rt: Runtime,
+def run_stage(
     me: _Stage,
-    part: StageModel,
+    prev: int | None,
+    nxt: int | None,
     stage: int,
-    pp: int,
+    num_stages: int,
     mine: list[int],
-    mbs: list[list[int]],
     tokens: list[torch.Tensor],
     total: int,
+    timed: Callable[[int, tuple[str, ...]], AbstractContextManager[Any]],
 ) -> torch.Tensor:
-    """This stage's 1F1B over the replica's microbatches ``mine``; returns the summed weighted loss."""
+    """This stage's 1F1B over its pipeline's microbatches ``mine``; returns the summed weighted loss.
+
+    ``prev``/``nxt``: the neighbouring stages' ranks in ``me.group`` (None at the ends). ``timed(i,
+    phases)`` wraps each F and B+W of microbatch ``i`` (the emulated device time); waiting for a
+    neighbour is outside it.
+    """
     from steptune.pipeline.stages import lm_loss
 
-    first, last = stage == 0, stage == pp - 1
-    rank = me.rank
     kept: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
     sends = []
     loss_sum = torch.zeros(())
-    for kind, k in one_f_one_b_order(stage, pp, len(mine)):
+    for kind, k in one_f_one_b_order(stage, num_stages, len(mine)):
         i = mine[k]
         seq = tokens[i].shape[1] - 1
         if kind == "F":
             x: torch.Tensor | None = None
-            if first:
+            if prev is None:
                 h = tokens[i][:, :-1]
             else:
                 x = torch.empty(1, seq, _HIDDEN)
-                me.group.recv([x], rank - 1, 2 * i).wait()
+                me.group.recv([x], prev, 2 * i).wait()
                 x.requires_grad_()
                 h = x
-            with rt.timed(mbs[i], part=part, phases=("F",)):
+            with timed(i, ("F",)):
                 for idx in me.owned:
                     h = me.layers[idx](h)
-                if last:
+                if nxt is None:
                     h = lm_loss(h, tokens[i][:, 1:]) * seq / total
-            if last:
+            if nxt is None:
                 loss_sum += h.detach()
             else:
                 out = h.detach().contiguous()
-                sends.append((me.group.send([out], rank + 1, 2 * i), out))
+                sends.append((me.group.send([out], nxt, 2 * i), out))
             kept[k] = (x, h)
         else:
             x, h = kept.pop(k)
             grad = None
-            if not last:
+            if nxt is not None:
                 grad = torch.empty(1, seq, _HIDDEN)
-                me.group.recv([grad], rank + 1, 2 * i + 1).wait()
-            with rt.timed(mbs[i], part=part, phases=("B", "W")):
+                me.group.recv([grad], nxt, 2 * i + 1).wait()
+            with timed(i, ("B", "W")):
                 h.backward(grad)
             if x is not None:
-                assert x.grad is not None
+                assert x.grad is not None and prev is not None
                 g = x.grad.contiguous()
-                sends.append((me.group.send([g], rank - 1, 2 * i + 1), g))
+                sends.append((me.group.send([g], prev, 2 * i + 1), g))
     for work, _ in sends:
         work.wait()
     return loss_sum
