@@ -220,9 +220,10 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
 
 
 def compare_failstop(
-    spec: dict[str, Any], worker: Any = None, reference: list[float] | None = None
+    spec: dict[str, Any], worker: Any = None, reference: list[float] | None = None, *, restart: bool = True
 ) -> dict[str, Any]:
-    """Failure-free reference, survival, and torchrun-style restart from a checkpoint, same seeds.
+    """Failure-free reference, survival, and torchrun-style restart from a checkpoint (``restart``), same
+    seeds.
 
     ``reference``: the failure-free losses by step when the caller has them (e.g. ``live.reference_losses``,
     one process); then no failure-free job is spawned and its wall time is not reported.
@@ -237,7 +238,8 @@ def compare_failstop(
             "checkpoint": str(Path(tmp) / "ckpt.pt"),
             "checkpoint_every": int(spec.get("checkpoint_every", 5)),
         }
-        runs["restart"] = run_failstop({**base, "mode": "restart", **ckpt}, worker)
+        if restart:
+            runs["restart"] = run_failstop({**base, "mode": "restart", **ckpt}, worker)
     ref = runs["reference"]["losses"] if reference is None else dict(enumerate(reference))
 
     def diff(run: dict[str, Any]) -> float:
@@ -246,9 +248,9 @@ def compare_failstop(
     return {
         "spec": base,
         "steps_completed": {"reference": len(ref), **{m: len(r["losses"]) for m, r in runs.items()}},
-        "max_loss_rel_diff": {"survive": diff(runs["survive"]), "restart": diff(runs["restart"])},
+        "max_loss_rel_diff": {m: diff(r) for m, r in runs.items() if m != "reference"},
         "wall_s": {m: r["wall_s"] for m, r in runs.items()},
         "survivors": runs["survive"]["survivors"],
-        "recovery": {"survive": runs["survive"]["info"], "restart": runs["restart"]["info"]},
+        "recovery": {m: r["info"] for m, r in runs.items() if m != "reference"},
         "losses": {"reference": ref, **{m: r["losses"] for m, r in runs.items()}},
     }
