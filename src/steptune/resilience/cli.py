@@ -314,21 +314,42 @@ def _run(args: argparse.Namespace) -> int:
 
 def _failstop(args: argparse.Namespace) -> int:
     from steptune.resilience.failstop import compare_failstop
+    from steptune.resilience.pipelined import parse_layout
 
-    res = compare_failstop(
-        {"ranks": args.ranks, "steps": args.steps, "kill_rank": args.kill_rank, "kill_step": args.kill_step,
-         "checkpoint_every": args.checkpoint_every, "time_scale": args.time_scale, "seed": args.seed}
-    )  # fmt: skip
+    spec = {"steps": args.steps, "kill_rank": args.kill_rank, "kill_step": args.kill_step,
+            "checkpoint_every": args.checkpoint_every, "time_scale": args.time_scale,
+            "seed": args.seed}  # fmt: skip
+    if args.layout is None:
+        res = compare_failstop({**spec, "ranks": args.ranks})
+        where = f"before step {args.kill_step}'s all-reduce"
+    else:
+        dp, pp, tp = parse_layout(args.layout)
+        if not 0 <= args.kill_rank < dp * pp * tp:
+            raise SystemExit(
+                f"--kill-rank {args.kill_rank}: the layout {args.layout} has ranks 0..{dp * pp * tp - 1}"
+            )
+        where = f"mid-step {args.kill_step} ({args.layout})"
+        if pp > 1:
+            from steptune.resilience.failstop_pipe import compare_failstop_pipe
+
+            res = compare_failstop_pipe({**spec, "dp": dp, "pp": pp})
+        elif tp > 1:
+            from steptune.resilience.failstop_tp import compare_failstop_tp
+
+            res = compare_failstop_tp({**spec, "dp": dp, "tp": tp, "ranks": dp * tp})
+        else:
+            res = compare_failstop({**spec, "ranks": dp})
     w, d = res["wall_s"], res["max_loss_rel_diff"]
-    print(f"SIGKILL rank {args.kill_rank} before step {args.kill_step}'s all-reduce")
+    print(f"SIGKILL rank {args.kill_rank} {where}")
     print(f"survivors: {res['survivors']}")
     print(f"steps completed: {res['steps_completed']}")
-    print(
-        f"max loss difference vs the failure-free run: survive {d['survive']:.2e}, restart {d['restart']:.2e}"
-    )
-    print(f"wall s (incl. spawning): failure-free {w['reference']:.1f}, "
-          f"survive in place {w['survive']:.1f}, restart-everything (checkpoint every "
-          f"{args.checkpoint_every} steps) {w['restart']:.1f}")  # fmt: skip
+    for rec in res["recovery"]["survive"].get("recoveries", []):
+        print(f"recovery at step {rec['step']} from {rec['from']}: "
+              + ", ".join(f"{k} {rec[k]}" for k in ("moves", "pipes", "owners") if k in rec))  # fmt: skip
+    print("max loss difference vs the failure-free run: "
+          + ", ".join(f"{m} {v:.2e}" for m, v in d.items()))  # fmt: skip
+    ckpt = f" (restart-everything: checkpoint every {args.checkpoint_every} steps)" if "restart" in w else ""
+    print("wall s (incl. spawning): " + ", ".join(f"{m} {v:.1f}" for m, v in w.items()) + ckpt)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=2) + "\n")
@@ -407,12 +428,19 @@ def register(sub: Any) -> None:
     run.set_defaults(func=_run)
     fs = verbs.add_parser(
         "failstop",
-        help="MEASURED: SIGKILL one DP rank; survivors continue in place vs torchrun-style restart",
+        help="MEASURED: SIGKILL one rank (DP, DP x PP or DP x TP); survivors continue in place vs "
+        "torchrun-style restart",
         description="Three runs with the same seeds: failure-free, one rank SIGKILLed mid-step with the "
         "survivors rebuilding their gloo group and redoing the step, and restart-everything from the last "
         "checkpoint. Prints the loss difference against the failure-free run and the wall times.",
     )
-    fs.add_argument("--ranks", type=int, default=4)
+    fs.add_argument("--ranks", type=int, default=4, help="DP ranks (without --layout)")
+    fs.add_argument(
+        "--layout",
+        default=None,
+        help="dp=2,pp=2 or dp=2,tp=2: the dead rank's layers / TP units come back from a DP peer "
+        "(TP: no restart run)",
+    )
     fs.add_argument("--steps", type=int, default=20)
     fs.add_argument("--kill-rank", type=int, default=2)
     fs.add_argument("--kill-step", type=int, default=11)
