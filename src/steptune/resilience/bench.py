@@ -4,7 +4,8 @@ Rows are (model, scenario kind, seed); each row generates one failure scenario a
 on it for ``duration_s``. Detection latencies and false-alarm costs of the fail-slow policies come
 from the detector study run first (``evaluate.detector_scores`` on the calibrated workload), so a
 detector's measured behaviour is what its policy pays. Ratios are ResiHP's tokens/s over each
-baseline's, over the rows of the kinds that baseline was built for (``HOME``).
+baseline's, over the rows of the kinds that baseline was built for (``HOME``); ``steptune_ratios`` are
+steptune's policy (ResiHP with uneven TP shares, ``SteptunePolicy``) over each baseline and over ResiHP.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from steptune.resilience.sim import (
     Policy,
     ResiHPPolicy,
     SimJob,
+    SteptunePolicy,
     run,
 )
 
@@ -51,6 +53,7 @@ BENCH_MODELS = (
 )
 POLICIES = (
     "resihp",
+    "steptune",
     "recycle",
     "oobleck",
     "greyhound",
@@ -109,6 +112,10 @@ def make_policies(det: DetectorCosts) -> dict[str, Callable[[], Policy]]:
     lat = det.greyhound_latency_steps
     return {
         "resihp": lambda: ResiHPPolicy(
+            detect_slow_steps=det.resihp_latency_steps,
+            false_alarm_s_per_step=det.resihp_false_per_step * VALIDATION_S["resihp"],
+        ),
+        "steptune": lambda: SteptunePolicy(
             detect_slow_steps=det.resihp_latency_steps,
             false_alarm_s_per_step=det.resihp_false_per_step * VALIDATION_S["resihp"],
         ),
@@ -220,13 +227,15 @@ def _summary(xs: list[float]) -> dict[str, float]:
     return out
 
 
-def _ratios(rows: list[dict[str, Any]], base: str, kinds: tuple[str, ...]) -> list[float]:
-    """ResiHP over ``base`` per row of ``kinds`` (inf where the baseline trained no token)."""
+def _ratios(
+    rows: list[dict[str, Any]], base: str, kinds: tuple[str, ...], ours: str = "resihp"
+) -> list[float]:
+    """``ours`` over ``base`` per row of ``kinds`` (inf where the baseline trained no token)."""
     out = []
     for r in rows:
-        if r["kind"] in kinds:
+        if r["kind"] in kinds and ours in r["tokens_per_s"]:
             x = r["tokens_per_s"][base]
-            out.append(r["tokens_per_s"]["resihp"] / x if x > 0 else math.inf)
+            out.append(r["tokens_per_s"][ours] / x if x > 0 else math.inf)
     return out
 
 
@@ -249,17 +258,25 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
         if xs:
             ratios[base] = _summary(xs)
         by_kind[base] = {k: (_summary(v) if (v := _ratios(rows, base, (k,))) else None) for k in cfg.kinds}
-    losses = [
-        {
-            "model": r["model"],
-            "scenario": r["scenario"],
-            "baseline": b,
-            "ratio": r["tokens_per_s"]["resihp"] / x,
-        }
-        for r in rows
-        for b, x in r["tokens_per_s"].items()
-        if b not in ("resihp", "oracle") and x > r["tokens_per_s"]["resihp"] * (1 + 1e-9)
-    ]
+    steptune: dict[str, dict[str, float]] = {}
+    for base, home in {**HOME, "resihp": KINDS}.items():
+        if xs := _ratios(rows, base, home, ours="steptune"):
+            steptune[base] = _summary(xs)
+
+    def below(ours: str) -> list[dict[str, Any]]:
+        return [
+            {
+                "model": r["model"],
+                "scenario": r["scenario"],
+                "baseline": b,
+                "ratio": r["tokens_per_s"][ours] / x,
+            }
+            for r in rows
+            if ours in r["tokens_per_s"]
+            for b, x in r["tokens_per_s"].items()
+            if b not in ("resihp", "steptune", "oracle") and x > r["tokens_per_s"][ours] * (1 + 1e-9)
+        ]
+
     above_oracle = [
         {"model": r["model"], "scenario": r["scenario"], "policy": p}
         for r in rows
@@ -278,7 +295,9 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
             for name, s in scores.items()
         },
         "detector_costs": asdict(det),
-        "resihp_below_baseline": losses,
+        "resihp_below_baseline": below("resihp"),
+        "steptune_ratios": steptune,
+        "steptune_below_baseline": below("steptune"),
         "above_oracle": above_oracle,
         "config": {
             "models": list(cfg.models),

@@ -46,7 +46,9 @@ __all__ = [
     "plan_tp",
     "progressive_replan",
     "rebalanced",
+    "shares_speed",
     "should_apply",
+    "water_fill",
 ]
 
 _REL = 1e-9
@@ -65,6 +67,9 @@ class ExecutionPlan:
     """Layers per stage (contiguous, in order), one tuple per DP replica; usually all equal."""
     microbatches: tuple[int, ...]
     """Microbatches each DP replica runs per step; they sum to the global batch."""
+    tp_shares: tuple[tuple[int, ...], ...] | None = None
+    """steptune's uneven TP shares: per TP group, the units (attention heads, with their slice of the MLP)
+    each member holds, in member order. None: equal shares (Megatron, ResiHP)."""
 
     @property
     def num_replicas(self) -> int:
@@ -78,7 +83,10 @@ class ExecutionPlan:
         return self.tp_groups[replica * self.num_stages + stage]
 
     def to_json(self) -> str:
-        return json.dumps({k: getattr(self, k) for k in _KEYS}, sort_keys=True, separators=(",", ":"))
+        d = {k: getattr(self, k) for k in _KEYS}
+        if self.tp_shares is not None:
+            d["tp_shares"] = self.tp_shares
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> ExecutionPlan:
@@ -86,8 +94,8 @@ class ExecutionPlan:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"plan JSON does not parse: {e}") from e
-        if not isinstance(d, dict) or set(d) != set(_KEYS):
-            raise ValueError(f"plan JSON must be an object with exactly the keys {list(_KEYS)}")
+        if not isinstance(d, dict) or set(d) - {"tp_shares"} != set(_KEYS):
+            raise ValueError(f"plan JSON must be an object with exactly the keys {list(_KEYS)} (+ tp_shares)")
 
         def ints(x: Any, what: str) -> tuple[int, ...]:
             if not isinstance(x, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
@@ -106,6 +114,7 @@ class ExecutionPlan:
             tp_groups=nested(d["tp_groups"], "tp_groups"),
             layer_partition=nested(d["layer_partition"], "layer_partition"),
             microbatches=ints(d["microbatches"], "microbatches"),
+            tp_shares=nested(d["tp_shares"], "tp_shares") if d.get("tp_shares") is not None else None,
         )
 
     def digest(self) -> str:
@@ -140,6 +149,17 @@ class ExecutionPlan:
             if min(g) < 0 or seen.intersection(g) or len(set(g)) != len(g):
                 raise ValueError(f"TP group (dp{r},pp{s}) {g} reuses a device or has a negative id")
             seen.update(g)
+        if self.tp_shares is not None:
+            if len(self.tp_shares) != len(self.tp_groups):
+                raise ValueError(
+                    f"plan has {len(self.tp_shares)} TP share lists for {len(self.tp_groups)} groups"
+                )
+            for g, c in zip(self.tp_groups, self.tp_shares, strict=True):
+                if len(c) != len(g) or min(c) < 0 or sum(c) != sum(self.tp_shares[0]) or sum(c) == 0:
+                    raise ValueError(
+                        f"TP shares {c} of group {g}: one count >= 0 per member, the same positive total "
+                        "in every group"
+                    )
         if min(self.microbatches) < 0 or sum(self.microbatches) != global_microbatches:
             raise ValueError(
                 f"microbatches {self.microbatches} must be >= 0 and sum to the global {global_microbatches}"
@@ -160,6 +180,9 @@ class ClusterState:
     """Resident bytes of each layer before TP sharding; empty means 0 (no memory limit)."""
     memory_bytes: float = math.inf
     """Per-device budget for layer state in bytes."""
+    tp_shares: bool = False
+    """Plan for steptune's uneven TP shares (``water_fill``): a group runs at the sum of its members'
+    speeds, to head granularity, and is never cut to a power of two. False: ResiHP's k x min p."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speeds", tuple(float(p) for p in self.speeds))
@@ -179,6 +202,19 @@ class ClusterState:
     @property
     def num_layers(self) -> int:
         return len(self.layer_costs)
+
+    def group_throughput(self, group: Sequence[int]) -> float:
+        """A TP group's throughput in healthy devices under this state's share rule."""
+        if self.tp_shares:
+            return shares_speed(group, water_fill(group, self.speeds, self.num_heads), self.speeds)
+        return group_speed(group, self.speeds)
+
+    def group_capacity(self, group: Sequence[int]) -> float:
+        """Layer bytes a TP group can hold: the member with the largest share fills first."""
+        if self.tp_shares:
+            top = max(water_fill(group, self.speeds, self.num_heads), default=0)
+            return self.num_heads / top * self.memory_bytes if top else 0.0
+        return len(group) * self.memory_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -207,6 +243,35 @@ class ReconfigCosts:
 def group_speed(group: Sequence[int], speeds: Sequence[float]) -> float:
     """TP group throughput in healthy-device units: k * min p (0 if any member is dead)."""
     return len(group) * min(speeds[d] for d in group)
+
+
+def water_fill(group: Sequence[int], speeds: Sequence[float], units: int) -> tuple[int, ...]:
+    """steptune's uneven TP shares: ``units`` split over the group's live members in proportion to speed.
+
+    Each unit goes to the member that would finish its share soonest, (count + 1) / speed (ties: member
+    order), which minimizes max(count / speed) exactly. Dead members get 0. Counts in member order.
+    """
+    alive = [i for i, d in enumerate(group) if speeds[d] > 0]
+    count = [0] * len(group)
+    if not alive:
+        return tuple(count)
+    for _ in range(units):
+        i = min(alive, key=lambda i: ((count[i] + 1) / speeds[group[i]], i))
+        count[i] += 1
+    return tuple(count)
+
+
+def shares_speed(group: Sequence[int], counts: Sequence[int], speeds: Sequence[float]) -> float:
+    """Throughput (healthy devices) of a TP group whose members hold ``counts`` units: the member that
+    finishes its units last paces every TP collective. 0 if a dead member holds units."""
+    units = sum(counts)
+    worst = 0.0
+    for d, c in zip(group, counts, strict=True):
+        if c:
+            if speeds[d] <= 0:
+                return 0.0
+            worst = max(worst, c / units / speeds[d])
+    return 1.0 / worst if worst else 0.0
 
 
 def plan_tp(
@@ -443,8 +508,8 @@ _Groups = list[list[tuple[int, ...]]]
 def _stage_times(state: ClusterState, groups: Sequence[tuple[int, ...]], part: Sequence[int]) -> list[float]:
     out, start = [], 0
     for g, n in zip(groups, part, strict=True):
-        speed = group_speed(g, state.speeds)
-        fits = sum(state.layer_bytes[start : start + n]) <= len(g) * state.memory_bytes * (1 + _REL)
+        speed = state.group_throughput(g)
+        fits = sum(state.layer_bytes[start : start + n]) <= state.group_capacity(g) * (1 + _REL)
         out.append(sum(state.layer_costs[start : start + n]) / speed if speed > 0 and fits else math.inf)
         start += n
     return out
@@ -518,6 +583,19 @@ def _min_degree(state: ClusterState, part: Sequence[int], stage: int) -> int:
     return max(1, math.ceil(nbytes / state.memory_bytes * (1 - _REL)))
 
 
+def _live_members(
+    state: ClusterState, group: tuple[int, ...], part: Sequence[int], stage: int
+) -> tuple[int, ...]:
+    """steptune's TP step: keep every live member (uneven shares absorb slowness; a member too slow for
+    one unit gets none). Raises ValueError if none is left or the survivors cannot hold the stage."""
+    live = tuple(d for d in group if state.speeds[d] > 0)
+    start = sum(part[:stage])
+    nbytes = sum(state.layer_bytes[start : start + part[stage]])
+    if not live or nbytes > state.group_capacity(live) * (1 + _REL):
+        raise ValueError(f"{len(live)} live member(s) cannot hold the stage's {nbytes:.3g} bytes")
+    return live
+
+
 def _layers_moved(old: Sequence[int], new: Sequence[int]) -> int:
     def owner(p: Sequence[int]) -> list[int]:
         return [s for s, n in enumerate(p) for _ in range(n)]
@@ -567,7 +645,10 @@ def _tp_step(state: ClusterState, w: _Work, dur: float, costs: ReconfigCosts, lo
         r = w.ids.index(r0)
         g, name = w.tp[r][s], f"group (dp{r0},pp{s})"
         try:
-            new = plan_tp(g, sp, num_heads=state.num_heads, min_degree=_min_degree(state, w.part[r], s))
+            if state.tp_shares:
+                new = _live_members(state, g, w.part[r], s)
+            else:
+                new = plan_tp(g, sp, num_heads=state.num_heads, min_degree=_min_degree(state, w.part[r], s))
         except ValueError as e:
             if not dead(g):
                 raise
@@ -597,8 +678,8 @@ def _tp_step(state: ClusterState, w: _Work, dur: float, costs: ReconfigCosts, lo
 
 
 def _pp_step(state: ClusterState, w: _Work, dur: float, costs: ReconfigCosts, log: list[str]) -> None:
-    speeds = [[group_speed(g, state.speeds) for g in groups] for groups in w.tp]
-    caps = [[len(g) * state.memory_bytes for g in groups] for groups in w.tp]
+    speeds = [[state.group_throughput(g) for g in groups] for groups in w.tp]
+    caps = [[state.group_capacity(g) for g in groups] for groups in w.tp]
 
     def mem(c: Sequence[float]) -> StageMemory | None:
         if math.isinf(state.memory_bytes):
@@ -700,11 +781,22 @@ def progressive_replan(
     for step in (_tp_step, _pp_step, _dp_step):
         step(state, w, expected_fault_duration_s, reconfig_costs, log)
     groups = tuple(g for gs in w.tp for g in gs)
-    if (groups, tuple(w.part), tuple(w.mb)) == (plan.tp_groups, plan.layer_partition, plan.microbatches):
+    shares = None
+    if state.tp_shares:
+        counts = tuple(water_fill(g, state.speeds, state.num_heads) for g in groups)
+        if any(len(set(c)) > 1 for c in counts):
+            shares = counts
+            log.append("TP shares (units per member): " + ", ".join(
+                f"{g} {c}" for g, c in zip(groups, counts, strict=True) if len(set(c)) > 1
+            ))  # fmt: skip
+    if (groups, tuple(w.part), tuple(w.mb), shares) == (
+        plan.tp_groups, plan.layer_partition, plan.microbatches, plan.tp_shares
+    ):  # fmt: skip
         return plan, [*log, "no change"]
     out = ExecutionPlan(
-        version=plan.version + 1, tp_groups=groups, layer_partition=tuple(w.part), microbatches=tuple(w.mb)
-    )
+        version=plan.version + 1, tp_groups=groups, layer_partition=tuple(w.part), microbatches=tuple(w.mb),
+        tp_shares=shares,
+    )  # fmt: skip
     out.validate(state.num_layers, total)
     assert all(state.speeds[d] > 0 for g in groups for d in g), "planner left a dead device in the plan"
     return out, log

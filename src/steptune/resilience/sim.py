@@ -47,6 +47,7 @@ from steptune.resilience.plan import (
     initial_plan,
     progressive_replan,
     rebalanced,
+    shares_speed,
     should_apply,
 )
 from steptune.resilience.workload import StageModel
@@ -64,6 +65,7 @@ __all__ = [
     "SimJob",
     "SimResult",
     "StepTimeHook",
+    "SteptunePolicy",
     "layer_phase_times",
     "pipeline_time",
     "reconfig_cost",
@@ -267,10 +269,17 @@ def _make_step_time(
     cache: dict[tuple[object, ...], float] = {}
 
     def replica_time(
-        groups: tuple[tuple[int, ...], ...], part: tuple[int, ...], m: int, speeds: tuple[float, ...]
+        groups: tuple[tuple[int, ...], ...],
+        part: tuple[int, ...],
+        m: int,
+        speeds: tuple[float, ...],
+        shares: tuple[tuple[int, ...], ...] | None,
     ) -> float:
         # Keyed by what the time depends on (stage throughputs), so healthy replicas share entries.
-        stage_speeds = tuple(len(g) * min(speeds[d] for d in g) for g in groups)
+        if shares is None:
+            stage_speeds = tuple(len(g) * min(speeds[d] for d in g) for g in groups)
+        else:
+            stage_speeds = tuple(shares_speed(g, c, speeds) for g, c in zip(groups, shares, strict=True))
         if min(stage_speeds) <= 0:
             return math.inf
         key = (part, m, stage_speeds)
@@ -290,7 +299,8 @@ def _make_step_time(
             if m == 0:
                 continue
             groups = plan.tp_groups[r * num_s : (r + 1) * num_s]
-            out = max(out, replica_time(groups, part, m, speeds))
+            shares = plan.tp_shares[r * num_s : (r + 1) * num_s] if plan.tp_shares else None
+            out = max(out, replica_time(groups, part, m, speeds, shares))
         return out
 
     return step_time
@@ -299,6 +309,12 @@ def _make_step_time(
 def reconfig_cost(old: ExecutionPlan, new: ExecutionPlan, costs: ReconfigCosts) -> float:
     """Stall of switching ``old`` -> ``new`` (module docstring); 0 if nothing changed."""
     cost = costs.tp_s * len(set(new.tp_groups) - set(old.tp_groups))
+    if new.tp_shares != old.tp_shares:  # groups kept, units moved between members
+        kept = set(new.tp_groups) & set(old.tp_groups)
+        cost += costs.tp_s * sum(
+            1 for g, a, b in zip(new.tp_groups, _shares(new), _shares_of(old, new.tp_groups), strict=True)
+            if g in kept and a != b
+        )  # fmt: skip
     if set(new.layer_partition) != set(old.layer_partition):
 
         def owner(p: tuple[int, ...]) -> list[int]:
@@ -310,6 +326,19 @@ def reconfig_cost(old: ExecutionPlan, new: ExecutionPlan, costs: ReconfigCosts) 
     if new.microbatches != old.microbatches:
         cost += costs.dp_s
     return cost
+
+
+def _shares(plan: ExecutionPlan) -> tuple[tuple[int, ...] | None, ...]:
+    """Per group, its uneven shares, or None for an equal split (however it is written)."""
+    if plan.tp_shares is None:
+        return (None,) * len(plan.tp_groups)
+    return tuple(None if len(set(c)) == 1 else c for c in plan.tp_shares)
+
+
+def _shares_of(plan: ExecutionPlan, groups: tuple[tuple[int, ...], ...]) -> list[tuple[int, ...] | None]:
+    """``plan``'s shares of each of ``groups`` (None: equal, or the group is not in ``plan``)."""
+    own = dict(zip(plan.tp_groups, _shares(plan), strict=True))
+    return [own.get(g) for g in groups]
 
 
 # Policies ----------------------------------------------------------------------------------------
@@ -442,6 +471,8 @@ class ResiHPPolicy(Memoized):
     """
 
     name = "resihp"
+    tp_shares = False
+    """Plan with steptune's uneven TP shares (``SteptunePolicy``) instead of ResiHP's exclusion."""
 
     def __init__(
         self,
@@ -464,8 +495,10 @@ class ResiHPPolicy(Memoized):
     def _decide(
         self, observed: tuple[float, ...], plan: ExecutionPlan, state: ClusterState, ctx: SimContext
     ) -> Decision:
+        if self.tp_shares:
+            state = replace(state, tp_shares=True)
         used = [observed[d] for g in plan.tp_groups for d in g]
-        if min(used) >= 1.0:
+        if min(used) >= 1.0 and plan.tp_shares is None:
             return self._readmit(plan, state, observed, ctx)
         dur = math.inf if min(used) <= 0 else self.expected_slow_s
         # Candidates: the gated progressive plan and the ungated one; the iteration-time predictor
@@ -514,6 +547,18 @@ class ResiHPPolicy(Memoized):
         return Decision(replace(new, version=plan.version + 1), cost)
 
 
+class SteptunePolicy(ResiHPPolicy):
+    """steptune: ResiHP's detector, ski-rental gates and PP/DP steps, with uneven TP shares in place of
+    TP exclusion. A TP group keeps every live member and splits its heads (with their MLP slices) by
+    speed (``plan.water_fill``), so a slow member works on less instead of leaving, and the survivors of a
+    fail-stop keep their whole throughput (3 of 4 run at 32/11 = 2.9 devices where ResiHP keeps 2).
+    Re-splitting a group's shares costs ``tp_s`` like a membership change. Live counterpart:
+    ``tensorpar``'s ``tp_policy="uneven"``."""
+
+    name = "steptune"
+    tp_shares = True
+
+
 PriceFn = Callable[[ExecutionPlan, tuple[float, ...], SimContext], float]
 
 
@@ -521,7 +566,8 @@ class Oracle(Memoized):
     """Sees every change at once and switches for free to the best simulated plan: an upper bound.
 
     Candidates: the current plan, and ``progressive_replan`` from the current and from the first plan
-    (so recovered devices come back), each with free and with the job's reconfiguration costs. With
+    (so recovered devices come back), each with free and with the job's reconfiguration costs, each
+    with equal TP shares (exclusion) and with uneven ones. With
     ``extra_prices`` (other mechanisms' step times, e.g. ReCycle's rerouting or Adaptra's
     rescheduling, from ``baselines.oracle``) a plan runs at the best of all of them, so the bound
     also covers policies whose mechanism is not a plan change.
@@ -551,11 +597,12 @@ class Oracle(Memoized):
     ) -> Decision:
         free = ReconfigCosts(tp_s=0.0, pp_s=0.0)
         cands = [plan, ctx.base_plan]
-        for src in (plan, ctx.base_plan):
-            for costs in (free, ctx.job.reconfig):
-                cand = _try_replan(state, src, math.inf, costs)
-                if cand is not None:
-                    cands.append(cand)
+        for st in (state, replace(state, tp_shares=True)):  # ResiHP's exclusion and steptune's shares
+            for src in (plan, ctx.base_plan):
+                for costs in (free, ctx.job.reconfig):
+                    cand = _try_replan(st, src, math.inf, costs)
+                    if cand is not None:
+                        cands.append(cand)
         best = min(cands, key=lambda p: self.step_time(p, observed, ctx))
         return Decision(best if best == plan else replace(best, version=plan.version + 1))
 

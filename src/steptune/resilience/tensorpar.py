@@ -59,6 +59,7 @@ from steptune.resilience.plan import (
     plan_dp,
     progressive_replan,
     should_apply,
+    water_fill,
 )
 from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
 
@@ -209,14 +210,10 @@ def uneven_owners(groups: Sequence[Sequence[int]], speeds: Sequence[float], unit
     member left with 0 units is out of the group. Contiguous in the group's member order."""
     out = []
     for g in groups:
-        alive = [d for d in g if speeds[d] > 0]
-        if not alive:
+        if not any(speeds[d] > 0 for d in g):
             raise ValueError(f"TP group {tuple(g)} has no live member")
-        count = dict.fromkeys(alive, 0)
-        for _ in range(units):
-            d = min(alive, key=lambda d: ((count[d] + 1) / speeds[d], list(g).index(d)))
-            count[d] += 1
-        out.append(tuple(d for d in alive for _ in range(count[d])))
+        counts = water_fill(g, speeds, units)
+        out.append(tuple(d for d, c in zip(g, counts, strict=True) for _ in range(c)))
     return tuple(out)
 
 

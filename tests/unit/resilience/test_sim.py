@@ -21,13 +21,20 @@ from steptune.resilience.sim import (
     ResiHPPolicy,
     SimJob,
     SimResult,
+    SteptunePolicy,
     reconfig_cost,
     run,
 )
 
 JOB = SimJob(model="llama2-7b", tp=2, pp=4, dp=4, global_microbatches=32, tokens_per_microbatch=4096)
 HOURS2 = 7200.0
-POLICIES = {"noop": NoOp, "ckpt-restart": CheckpointRestart, "resihp": ResiHPPolicy, "oracle": Oracle}
+POLICIES = {
+    "noop": NoOp,
+    "ckpt-restart": CheckpointRestart,
+    "resihp": ResiHPPolicy,
+    "steptune": SteptunePolicy,
+    "oracle": Oracle,
+}
 
 
 def _slow(factor: float, device: int = 5) -> FailureEvent:
@@ -117,7 +124,7 @@ def test_throughput_monotone_in_fail_slow_factor(policy: str) -> None:
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_no_policy_beats_the_oracle(scenario: str) -> None:
     best = _run("oracle", scenario).tokens_per_s
-    for policy in ("noop", "ckpt-restart", "resihp"):
+    for policy in ("noop", "ckpt-restart", "resihp", "steptune"):
         assert _run(policy, scenario).tokens_per_s <= best * (1 + 1e-9), policy
 
 
