@@ -50,13 +50,23 @@ def bench_tables(res: dict[str, Any]) -> list[Table]:
         )
         ratios.add(base, home, s["rows"], s["min"], s["median"], s["max"], s["baseline_stalled_rows"])
     ratios.notes.append("max None: some baseline made no progress in a row (ratio infinite)")
+    tables = [full, ratios]
+    if res.get("steptune_ratios"):
+        ours = Table(
+            title="steptune (ResiHP + uneven TP shares) / baseline tokens/s, same home scenarios",
+            columns=["baseline", "rows", "min", "median", "max"],
+        )
+        for base, s in res["steptune_ratios"].items():
+            ours.add(base, s["rows"], s["min"], s["median"], s["max"])
+        ours.notes.append("resihp row: over every scenario kind")
+        tables.append(ours)
     det = Table(
         title="detectors on the calibrated simulated workload (1.25x fail-slow or fail-stop per run)",
         columns=["detector", "false alarms / run", "detection rate", "mean latency (steps)"],
     )
     for name, d in res["detector"].items():
         det.add(name, d["false_alarms_per_run"], d["detection_rate"], d["mean_latency_steps"])
-    return [full, ratios, det]
+    return [*tables, det]
 
 
 def print_bench(res: dict[str, Any]) -> None:
@@ -68,6 +78,11 @@ def print_bench(res: dict[str, Any]) -> None:
             print(f"  {x['model']} {x['scenario']}: {x['baseline']} (ratio {x['ratio']:.3f})")
     else:
         print("ResiHP >= every baseline in every row.")
+    if "steptune_below_baseline" in res:
+        below = res["steptune_below_baseline"]
+        print(f"steptune below a baseline in {len(below)} cases" + (":" if below else "."))
+        for x in below:
+            print(f"  {x['model']} {x['scenario']}: {x['baseline']} (ratio {x['ratio']:.3f})")
     if res["above_oracle"]:
         print(f"WARNING: {len(res['above_oracle'])} results above the oracle: {res['above_oracle']}")
     print(f"bench wall time {res['wall_s']:.0f} s (SIMULATED throughput)")

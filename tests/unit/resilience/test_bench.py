@@ -41,16 +41,22 @@ def test_oracle_bounds_and_resihp_leads_the_restart_family(result: dict) -> None
         for p in ("greyhound", "adaptra", "malleus-lite", "ckpt-restart", "noop"):
             assert t["resihp"] >= t[p] * (1 - 1e-9), (row["scenario"], p)
     # Where a baseline wins (ReCycle can, with deep pipelines' bubbles), the bench says so.
-    listed = {(x["scenario"], x["baseline"]) for x in result["resihp_below_baseline"]}
-    for row in result["rows"]:
-        for p, x in row["tokens_per_s"].items():
-            if p not in ("resihp", "oracle") and x > row["tokens_per_s"]["resihp"] * (1 + 1e-9):
-                assert (row["scenario"], p) in listed
+    for ours in ("resihp", "steptune"):
+        listed = {(x["scenario"], x["baseline"]) for x in result[f"{ours}_below_baseline"]}
+        for row in result["rows"]:
+            for p, x in row["tokens_per_s"].items():
+                if p not in ("resihp", "steptune", "oracle") and x > row["tokens_per_s"][ours] * (1 + 1e-9):
+                    assert (row["scenario"], p) in listed, ours
+    assert set(result["steptune_ratios"]) == {*HOME, "resihp"}
 
 
 def test_bench_cli_quick(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(bench, "quick_config", lambda **kw: TINY)
+    micro = BenchConfig(
+        models=("llama2-7b",), kinds=("fail-stop",), duration_s=900.0, detector_runs=2, workers=1
+    )
+    monkeypatch.setattr(bench, "quick_config", lambda **kw: micro)
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     assert main(["resilience", "bench", "--quick", "--json", str(out), "--plot", str(png)]) == 0
     assert json.loads(out.read_text())["rows"] and png.stat().st_size > 1000
-    assert "SIMULATED" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "SIMULATED" in printed and "steptune (ResiHP + uneven TP shares) / baseline" in printed
