@@ -148,6 +148,11 @@ def _save(prefix: str, orig: int, step: int, me: _Stage, losses: dict[int, float
     tmp = f"{prefix}.rank{orig}.tmp"
     torch.save({"step": step, "layers": {i: me._flat(i) for i in me.owned}, "losses": losses}, tmp)
     os.replace(tmp, f"{prefix}.rank{orig}.step{step}")  # atomic: a reader never sees half a file
+    # Keep this rank's newest two: the newest set may be incomplete if a peer dies before writing its part.
+    mine = sorted(st for st, files in _checkpoint_files(prefix).items() for f in files
+                  if f.name.startswith(f"{Path(prefix).name}.rank{orig}.step"))  # fmt: skip
+    for old_step in mine[:-2]:
+        Path(f"{prefix}.rank{orig}.step{old_step}").unlink(missing_ok=True)
 
 
 def _load_latest(prefix: str, me: _Stage, num_layers: int) -> tuple[int, dict[int, float]]:
