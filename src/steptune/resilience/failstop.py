@@ -42,7 +42,7 @@ from steptune.resilience.live import global_batch, microbatch_loss, proxy_model,
 from steptune.resilience.runtime import lpt_assign
 from steptune.resilience.workload import StageModel
 
-__all__ = ["compare_failstop", "rejoin", "run_failstop"]
+__all__ = ["compare_failstop", "doomed", "rejoin", "run_failstop"]
 
 
 def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, seed: int, step: int,
@@ -121,6 +121,16 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
                 step = resume
                 losses = {k: v for k, v in losses.items() if k < resume}
     out.put((orig, {k: losses[k] for k in sorted(losses)}, {}))
+
+
+def doomed(spec: dict[str, Any], orig: int, step: int) -> bool:
+    """Whether rank ``orig`` is to be SIGKILLed during ``step``: ``spec["kills"]`` ([[rank, step], ...],
+    failures one after another) or ``kill_rank``/``kill_step``. A killed rank is never started again, so a
+    restarted job cannot repeat a kill."""
+    kills = [tuple(k) for k in spec.get("kills", [])]
+    if spec.get("kill_rank") is not None:
+        kills.append((spec["kill_rank"], spec.get("kill_step")))
+    return (orig, step) in kills
 
 
 def rejoin(
@@ -232,7 +242,8 @@ def compare_failstop(
         base = {"ranks": 4, "steps": 20, "seed": 0, "time_scale": 0.01, **spec}
         runs = {}
         if reference is None:
-            runs["reference"] = run_failstop({**base, "mode": "survive", "kill_rank": None}, worker)
+            healthy = {**base, "mode": "survive", "kill_rank": None, "kills": []}
+            runs["reference"] = run_failstop(healthy, worker)
         runs["survive"] = run_failstop({**base, "mode": "survive"}, worker)
         ckpt = {
             "checkpoint": str(Path(tmp) / "ckpt.pt"),

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
-from steptune.resilience.failstop import compare_failstop, rejoin, run_failstop
+from steptune.resilience.failstop import compare_failstop, doomed, rejoin, run_failstop
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model, sum_and_step
 from steptune.resilience.pipelined import _BYTES_PER_PARAM, _layers, _Stage, run_stage
 from steptune.resilience.plan import plan_dp
@@ -205,7 +205,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
     snapshot: tuple[int, Any, Any] = (0, None, None)
     while step < steps:
         snapshot = (step, [copy.deepcopy(m.state_dict()) for m in layers], copy.deepcopy(opt.state_dict()))
-        die = orig == spec.get("kill_rank") and step == spec.get("kill_step") and not spec.get("resume")
+        die = doomed(spec, orig, step)
         try:
             losses[step] = _pipe_step(me, pipes, members, orig, step, spec, full, param_layer, params, die)
             step += 1

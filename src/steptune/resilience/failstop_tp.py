@@ -30,7 +30,7 @@ import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.pipeline.stages import lm_loss
-from steptune.resilience.failstop import compare_failstop, rejoin
+from steptune.resilience.failstop import compare_failstop, doomed, rejoin
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model
 from steptune.resilience.plan import plan_dp
 from steptune.resilience.tensorpar import (
@@ -129,7 +129,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
     snapshot: tuple[int, Any, Any] = (0, None, None)
     while step < steps:
         snapshot = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
-        die = orig == spec.get("kill_rank") and step == spec.get("kill_step")
+        die = doomed(spec, orig, step)
         try:
             g_owners = _renumber(owners, members_)
             losses[step] = _tp_step(model, opt, group, members_.index(orig), g_owners, step, spec, full, die)

@@ -566,8 +566,8 @@ class Oracle(Memoized):
     """Sees every change at once and switches for free to the best simulated plan: an upper bound.
 
     Candidates: the current plan, and ``progressive_replan`` from the current and from the first plan
-    (so recovered devices come back), each with free and with the job's reconfiguration costs, each
-    with equal TP shares (exclusion) and with uneven ones. With
+    (so recovered devices come back), each with free and with the job's reconfiguration costs; and the
+    same with uneven TP shares (steptune's), free only. With
     ``extra_prices`` (other mechanisms' step times, e.g. ReCycle's rerouting or Adaptra's
     rescheduling, from ``baselines.oracle``) a plan runs at the best of all of them, so the bound
     also covers policies whose mechanism is not a plan change.
@@ -583,7 +583,8 @@ class Oracle(Memoized):
         self._prices: dict[tuple[ExecutionPlan, tuple[float, ...]], float] = {}
 
     def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
-        if not self.extra_prices:
+        # Plans with uneven TP shares are steptune's alone; no baseline mechanism runs on them.
+        if not self.extra_prices or plan.tp_shares is not None:
             return ctx.step_time(plan, speeds)
         key = (plan, tuple(speeds[d] for g in plan.tp_groups for d in g))
         if key not in self._prices:
@@ -597,9 +598,10 @@ class Oracle(Memoized):
     ) -> Decision:
         free = ReconfigCosts(tp_s=0.0, pp_s=0.0)
         cands = [plan, ctx.base_plan]
-        for st in (state, replace(state, tp_shares=True)):  # ResiHP's exclusion and steptune's shares
+        shared = replace(state, tp_shares=True)  # steptune's uneven shares: free replans only
+        for st, all_costs in ((state, (free, ctx.job.reconfig)), (shared, (free,))):
             for src in (plan, ctx.base_plan):
-                for costs in (free, ctx.job.reconfig):
+                for costs in all_costs:
                     cand = _try_replan(st, src, math.inf, costs)
                     if cand is not None:
                         cands.append(cand)

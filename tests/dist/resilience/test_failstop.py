@@ -15,49 +15,56 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
 
 def test_dp_survivors_continue_in_place_and_match_the_failure_free_run():
-    spec = {"ranks": 4, "steps": 12, "seed": 0, "kill_rank": 2, "kill_step": 7, "checkpoint_every": 4,
+    spec = {"ranks": 4, "steps": 10, "seed": 0, "kill_rank": 2, "kill_step": 6, "checkpoint_every": 4,
             "time_scale": 0.005}  # fmt: skip
     res = compare_failstop(spec, reference=reference_losses(spec, proxy_model(0)))
     summary = {k: v for k, v in res.items() if k != "losses"}
     assert res["survivors"] == [0, 1, 3], summary
-    assert res["steps_completed"] == {"reference": 12, "survive": 12, "restart": 12}, summary
+    assert res["steps_completed"] == {"reference": 10, "survive": 10, "restart": 10}, summary
     # same data in the same order: the trajectory equals the failure-free one up to fp32 summation order
     assert res["max_loss_rel_diff"]["survive"] <= 1e-5, summary
     assert res["max_loss_rel_diff"]["restart"] <= 1e-5, summary
     assert res["wall_s"]["survive"] < res["wall_s"]["restart"], summary
 
 
-def test_pp_dead_stage_comes_back_from_its_dp_peer():
-    # dp=2 x pp=2; rank 3 (pipeline 1, stage 1) dies mid-1F1B in step 7. Rank 2 is left without a
-    # partner: it takes stage 1's layers (weights and momentum) from rank 1 and runs the whole model.
-    spec = {"dp": 2, "pp": 2, "steps": 12, "seed": 0, "kill_rank": 3, "kill_step": 7,
+def test_pp_dead_stages_come_back_from_dp_peers_twice():
+    # dp=2 x pp=2. Step 5: rank 3 (pipeline 1, stage 1) dies mid-1F1B; rank 2 takes stage 1's layers
+    # (weights and momentum) from rank 1 and runs the whole model. Step 9: rank 1 dies; rank 0 takes
+    # them from rank 2. The restart baseline restarts twice from the checkpoints of steps 4 and 8.
+    spec = {"dp": 2, "pp": 2, "steps": 12, "seed": 0, "kills": [[3, 5], [1, 9]],
             "checkpoint_every": 4, "time_scale": 0.005}  # fmt: skip
     res = compare_failstop_pipe(spec, reference=reference_losses(spec, reference_model(spec)))
     summary = {k: v for k, v in res.items() if k != "losses"}
-    assert res["survivors"] == [0, 1, 2], summary
+    assert res["survivors"] == [0, 2], summary
     assert res["steps_completed"] == {"reference": 12, "survive": 12, "restart": 12}, summary
-    (rec,) = res["recovery"]["survive"]["recoveries"]
-    assert rec["from"] == "peers" and rec["step"] == 7, summary
-    assert rec["pipes"] == [[(0, 0, 4), (1, 4, 8)], [(2, 0, 8)]], summary
-    assert sorted(rec["moves"]) == [(i, 1, 2) for i in range(4, 8)], summary
-    (back,) = res["recovery"]["restart"]["recoveries"]
-    assert back == {"from": "checkpoint", "step": 4, "pipes": rec["pipes"]}, summary
+    first, second = res["recovery"]["survive"]["recoveries"]
+    assert first["from"] == "peers" and first["step"] == 5, summary
+    assert first["pipes"] == [[(0, 0, 4), (1, 4, 8)], [(2, 0, 8)]], summary
+    assert sorted(first["moves"]) == [(i, 1, 2) for i in range(4, 8)], summary
+    assert second["from"] == "peers" and second["step"] == 9, summary
+    assert second["pipes"] == [[(2, 0, 8)], [(0, 0, 8)]], summary
+    assert sorted(second["moves"]) == [(i, 2, 0) for i in range(4, 8)], summary
+    assert [(r["from"], r["step"]) for r in res["recovery"]["restart"]["recoveries"]] == [
+        ("checkpoint", 8)
+    ], summary  # the info of the last (second) restart
     assert res["max_loss_rel_diff"]["survive"] <= 1e-5, summary
     assert res["max_loss_rel_diff"]["restart"] <= 1e-5, summary
     assert res["wall_s"]["survive"] < res["wall_s"]["restart"], summary
 
 
-def test_tp_dead_member_shard_comes_back_from_its_dp_peer():
-    # dp=2 x tp=2; rank 3 (replica 1's second member) dies mid-step 7 while rank 2 waits on its partial
-    # sums. Rank 2 becomes a TP-1 replica: units 4-7 (weights and momentum) come from rank 1.
-    spec = {"dp": 2, "tp": 2, "steps": 12, "seed": 0, "kill_rank": 3, "kill_step": 7, "time_scale": 0.005}
+def test_tp_dead_members_shards_come_back_from_dp_peers_twice():
+    # dp=2 x tp=2. Step 5: rank 3 (replica 1's second member) dies while rank 2 waits on its partial sums;
+    # rank 2 becomes a TP-1 replica with units 4-7 from rank 1. Step 9: rank 1 dies; rank 0 takes units
+    # 4-7 from rank 2, the only copy left.
+    spec = {"dp": 2, "tp": 2, "steps": 12, "seed": 0, "kills": [[3, 5], [1, 9]], "time_scale": 0.005}
     model, forward = reference_model_tp(spec)
     res = compare_failstop_tp(spec, reference=reference_losses(spec, model, forward))
     summary = {k: v for k, v in res.items() if k != "losses"}
-    assert res["survivors"] == [0, 1, 2], summary
+    assert res["survivors"] == [0, 2], summary
     assert res["steps_completed"] == {"reference": 12, "survive": 12}, summary
-    (rec,) = res["recovery"]["survive"]["recoveries"]
-    assert rec["from"] == "peers" and rec["step"] == 7, summary
-    assert rec["owners"] == ((0, 0, 0, 0, 1, 1, 1, 1), (2,) * 8), summary
-    assert sorted(rec["moves"]) == [(u, 1, 2) for u in range(4, 8)], summary
+    first, second = res["recovery"]["survive"]["recoveries"]
+    assert first["step"] == 5 and first["owners"] == ((0, 0, 0, 0, 1, 1, 1, 1), (2,) * 8), summary
+    assert sorted(first["moves"]) == [(u, 1, 2) for u in range(4, 8)], summary
+    assert second["step"] == 9 and second["owners"] == ((0,) * 8, (2,) * 8), summary
+    assert sorted(second["moves"]) == [(u, 2, 0) for u in range(4, 8)], summary
     assert res["max_loss_rel_diff"]["survive"] <= 1e-5, summary
