@@ -85,22 +85,6 @@ def restore_moves(old: Owners, new: Owners, alive: Sequence[int]) -> list[tuple[
     return moves
 
 
-def _restore(holder: _Holder, moves: list[tuple[int, int, int]]) -> None:
-    """Send/receive each unit (weights and momentum); every send posted before the first receive."""
-    works = []
-    for k, (u, src, dst) in enumerate(moves):
-        if src == holder.rank:
-            flat = holder.pack(u)
-            works.append((holder.group.send([flat], dst, 40_000_000 + k), flat))
-    for k, (u, src, dst) in enumerate(moves):
-        if dst == holder.rank:
-            buf = torch.empty(holder.size(u))
-            holder.group.recv([buf], src, 40_000_000 + k).wait()
-            holder.unpack(u, buf)
-    for w, _ in works:
-        w.wait()
-
-
 def _renumber(owners: Owners, members_: list[int]) -> Owners:
     return tuple(tuple(members_.index(r) for r in row) for row in owners)
 
@@ -155,7 +139,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             moves = restore_moves(owners, new, members_)  # LookupError: no copy left (stated, not hidden)
             rank = members_.index(orig)
             holder.group, holder.rank = group, rank
-            _restore(holder, [(u, members_.index(s), members_.index(d)) for u, s, d in moves])
+            holder.transfer([(u, members_.index(s), members_.index(d)) for u, s, d in moves])
             mine = sum(1 for _, s, d in moves if orig in (s, d))  # the emulated transfer of the real shard
             time.sleep(mine * unit_bytes / link * scale)
             owners = new

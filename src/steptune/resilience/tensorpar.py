@@ -298,6 +298,13 @@ class _Holder:
         Every send is posted before the first blocking receive, so no pair of ranks waits on the other.
         """
         moves = _moves(old, new)
+        self.transfer(moves)
+        self.drop_unheld(new)
+        return sum(1 for _, s, d in moves if self.rank in (s, d))
+
+    def transfer(self, moves: Sequence[tuple[int | None, int, int]]) -> None:
+        """Send or receive each (unit or None for the replicated tensors, source, destination) this rank
+        takes part in, weights with momentum; every send is posted before the first blocking receive."""
         works = []
         for k, (u, src, dst) in enumerate(moves):
             if src == self.rank:
@@ -310,8 +317,6 @@ class _Holder:
                 self.unpack(u, buf)
         for w, _ in works:
             w.wait()
-        self.drop_unheld(new)
-        return sum(1 for _, s, d in moves if self.rank in (s, d))
 
     def drop_unheld(self, owners: Owners) -> None:
         mine = held(self.rank, owners)
