@@ -65,7 +65,7 @@ POLICIES = (
     "noop",
     "oracle",
 )
-_SLOW = ("fail-slow-weak", "fail-slow-medium", "fail-slow-strong")
+_SLOW = ("fail-slow-weak", "fail-slow-medium", "fail-slow-strong", "fail-slow-link")
 HOME: dict[str, tuple[str, ...]] = {
     "recycle": ("fail-stop",),
     "oobleck": ("fail-stop",),
@@ -103,8 +103,11 @@ class BenchConfig:
 
 
 def job_for(model: str) -> SimJob:
-    """Every model fills the 256 GPUs: TP 4, PP 16, DP 4; 32 microbatches of 16K tokens per replica."""
-    return SimJob(model=model, tp=4, pp=16, dp=4, global_microbatches=128, tokens_per_microbatch=16384)
+    """Every model fills the 256 GPUs: TP 4, PP 16, DP 4; 32 microbatches of 16K tokens per replica;
+    TP, PP and DP communication priced on the cluster's links (``simcomm``)."""
+    return SimJob(
+        model=model, tp=4, pp=16, dp=4, global_microbatches=128, tokens_per_microbatch=16384, comm=True
+    )
 
 
 def make_policies(det: DetectorCosts) -> dict[str, Callable[[], Policy]]:
@@ -304,7 +307,8 @@ def run_bench(cfg: BenchConfig, *, progress: Callable[[str], None] | None = None
             "kinds": list(cfg.kinds),
             "seeds": list(cfg.seeds),
             "duration_s": cfg.duration_s,
-            "job": "TP4 PP16 DP4 (256 x A100-80GB, a100-256), 128 microbatches x 16K tokens per step",
+            "job": "TP4 PP16 DP4 (256 x A100-80GB, a100-256), 128 microbatches x 16K tokens per step,"
+            " communication priced (simcomm)",
         },
         "wall_s": time.perf_counter() - t0,
         "simulated": True,

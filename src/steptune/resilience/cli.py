@@ -62,6 +62,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from steptune.resilience.sim import run
 
     job = job_for(args.model)
+    if args.free_comm:
+        job = replace(job, comm=False)
     if args.scenario in KINDS:
         failures = generate(
             args.scenario, num_devices=job.num_devices, duration_s=args.duration, seed=args.seed
@@ -76,6 +78,13 @@ def _simulate(args: argparse.Namespace) -> int:
         print(
             f"steptune resilience simulate: --scenario {args.scenario!r} is neither a CSV file nor one of "
             f"{', '.join(KINDS)}",
+            file=sys.stderr,
+        )
+        return 2
+    if not job.comm and any(f.target == "link" for f in failures):
+        print(
+            "steptune resilience simulate: the scenario has link fail-slows; drop --free-comm so that "
+            "communication is priced",
             file=sys.stderr,
         )
         return 2
@@ -471,6 +480,11 @@ def register(sub: Any) -> None:
     sim.add_argument("--duration", type=float, default=7200.0, help="simulated seconds")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--verbose", action="store_true", help="print every plan change")
+    sim.add_argument(
+        "--free-comm",
+        action="store_true",
+        help="do not price TP/PP/DP communication (link fail-slows are then rejected)",
+    )
     sim.add_argument("--json", type=Path, default=None)
     sim.set_defaults(func=_simulate)
     b = verbs.add_parser("bench", help="every policy on the same simulated 256-GPU scenarios (JSON, table)")

@@ -48,6 +48,7 @@ __all__ = [
     "rebalanced",
     "shares_speed",
     "should_apply",
+    "uniform_repartition",
     "water_fill",
 ]
 
@@ -555,6 +556,25 @@ def rebalanced(state: ClusterState, plan: ExecutionPlan) -> ExecutionPlan:
     if tuple(counts) == plan.microbatches or math.isinf(t):
         return plan
     return replace(plan, version=plan.version + 1, microbatches=tuple(counts))
+
+
+def uniform_repartition(state: ClusterState, plan: ExecutionPlan) -> ExecutionPlan | None:
+    """``plan`` with one bottleneck-optimal layer partition for every replica, each stage position
+    paced by its slowest replica's group (k x min speed); TP groups and microbatches kept. None if no
+    partition fits in memory. (Greyhound's S3; a candidate of the simulator's oracle.)"""
+    num_r, num_s = plan.num_replicas, plan.num_stages
+    speeds = [min(group_speed(plan.group(r, s), state.speeds) for r in range(num_r)) for s in range(num_s)]
+    mem = None
+    if math.isfinite(state.memory_bytes):
+        caps = tuple(
+            min(len(plan.group(r, s)) for r in range(num_r)) * state.memory_bytes for s in range(num_s)
+        )
+        mem = StageMemory(layer_bytes=state.layer_bytes, capacity=caps)
+    try:
+        part = plan_pp(state.layer_costs, speeds, memory=mem, prefer=plan.layer_partition[0])
+    except ValueError:
+        return None
+    return replace(plan, version=plan.version + 1, layer_partition=(part,) * num_r)
 
 
 def initial_plan(

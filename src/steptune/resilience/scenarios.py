@@ -6,10 +6,13 @@ fail-slow statistics):
 - ``fail-slow-weak|medium|strong``: compute slowdowns of 1.25x, 1.5x, 2.5x (speed factors 0.8, 0.667,
   0.4); onsets with exponential gaps of mean ``slow_every_s`` (20 min), lognormal durations with
   median ``slow_median_s`` (15 min) and sigma 1 (a heavy tail into hours), truncated to [2 min, 3 h].
+- ``fail-slow-link``: a device's links (NVLink and NIC) at ``LINK_FACTORS`` (0.3-0.7) of their
+  bandwidth, same arrivals and durations as the compute fail-slows (needs ``SimJob(comm=True)``).
 - ``mixed``: fail-stops every hour plus medium fail-slows every 20 minutes.
 
 CSV traces have one row per failure: ``kind,device,start_s,duration_s,factor`` (duration ``inf``
-for a fail-stop or a persistent fail-slow), as in Oobleck's simulator traces but per device.
+for a fail-stop or a persistent fail-slow), as in Oobleck's simulator traces but per device, and an
+optional sixth column ``target`` ("compute" or "link"; written only when a trace has link fail-slows).
 """
 
 from __future__ import annotations
@@ -23,12 +26,16 @@ import numpy as np
 
 from steptune.resilience.sim import FailureEvent
 
-__all__ = ["KINDS", "SEVERITY", "Rates", "generate", "read_csv", "write_csv"]
+__all__ = ["KINDS", "LINK_FACTORS", "SEVERITY", "Rates", "generate", "read_csv", "write_csv"]
 
 SEVERITY = {"weak": 1 / 1.25, "medium": 1 / 1.5, "strong": 1 / 2.5}
 """Speed factor of a fail-slow of each severity."""
-KINDS = ("fail-stop", "fail-slow-weak", "fail-slow-medium", "fail-slow-strong", "mixed")
+LINK_FACTORS = (0.3, 0.7)
+"""Range of a link fail-slow's bandwidth factor (uniform; congestion or a degraded NIC/NVLink)."""
+KINDS = ("fail-stop", "fail-slow-weak", "fail-slow-medium", "fail-slow-strong", "fail-slow-link", "mixed")
 _FIELDS = ("kind", "device", "start_s", "duration_s", "factor")
+_TARGET = "target"
+"""Optional sixth CSV column: "compute" (default) or "link"."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,18 +77,28 @@ def generate(
             dead.add(d)
             out.append(FailureEvent(kind="fail-stop", device=d, start_s=round(t, 1)))
 
-    def slows(factor: float) -> None:
+    def slows(factor: float | None) -> None:
+        """Compute fail-slows of ``factor``; None: link fail-slows of a factor drawn per episode."""
         for t in _arrivals(rng, rates.slow_every_s, duration_s):
             dur = float(np.clip(rng.lognormal(math.log(rates.slow_median_s), 1.0), 120.0, 3 * 3600.0))
             d = int(rng.integers(num_devices))
+            link = factor is None
+            f = round(float(rng.uniform(*LINK_FACTORS)), 3) if link else factor
             out.append(
                 FailureEvent(
-                    kind="fail-slow", device=d, start_s=round(t, 1), duration_s=round(dur, 1), factor=factor
+                    kind="fail-slow",
+                    device=d,
+                    start_s=round(t, 1),
+                    duration_s=round(dur, 1),
+                    factor=f,
+                    target="link" if link else "compute",
                 )
             )
 
     if kind == "fail-stop":
         stops(rates.stop_every_s)
+    elif kind == "fail-slow-link":
+        slows(None)
     elif kind == "mixed":
         stops(rates.mixed_stop_every_s)
         slows(SEVERITY["medium"])
@@ -92,29 +109,38 @@ def generate(
 
 def write_csv(failures: tuple[FailureEvent, ...] | list[FailureEvent], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    links = any(f.target != "compute" for f in failures)
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(_FIELDS)
+        w.writerow(_FIELDS + ((_TARGET,) if links else ()))
         for f in failures:
-            w.writerow((f.kind, f.device, f.start_s, f.duration_s, f.factor))
+            w.writerow((f.kind, f.device, f.start_s, f.duration_s, f.factor) + ((f.target,) if links else ()))
 
 
 def read_csv(path: Path, *, num_devices: int | None = None) -> tuple[FailureEvent, ...]:
     """Failures from a CSV trace; a bad row raises ``ValueError`` naming the file and line."""
     with path.open(newline="") as fh:
         rows = list(csv.reader(fh))
-    if not rows or tuple(x.strip() for x in rows[0]) != _FIELDS:
-        raise ValueError(f"{path}: the first line must be the header {','.join(_FIELDS)}")
+    header = tuple(x.strip() for x in rows[0]) if rows else ()
+    if header not in (_FIELDS, (*_FIELDS, _TARGET)):
+        raise ValueError(
+            f"{path}: the first line must be the header {','.join(_FIELDS)} (optionally ,{_TARGET})"
+        )
     out = []
     for line, row in enumerate(rows[1:], start=2):
         if not row or not "".join(row).strip():
             continue
         try:
-            if len(row) != len(_FIELDS):
-                raise ValueError(f"expected {len(_FIELDS)} fields, got {len(row)}")
-            kind, dev, start, dur, factor = (x.strip() for x in row)
+            if len(row) != len(header):
+                raise ValueError(f"expected {len(header)} fields, got {len(row)}")
+            kind, dev, start, dur, factor, *target = (x.strip() for x in row)
             ev = FailureEvent(
-                kind=kind, device=int(dev), start_s=float(start), duration_s=float(dur), factor=float(factor)
+                kind=kind,
+                device=int(dev),
+                start_s=float(start),
+                duration_s=float(dur),
+                factor=float(factor),
+                target=target[0] if target else "compute",
             )
         except ValueError as e:
             raise ValueError(f"{path}:{line}: {e}") from e

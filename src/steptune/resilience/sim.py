@@ -22,10 +22,15 @@ Modelled:
 - Reconfiguration price (``reconfig_cost``): ``tp_s`` per TP group that changed, ``pp_s`` +
   ``pp_per_layer_s`` x layers moved if the partition changed, ``dp_s`` if microbatch counts changed.
 
-Ignored: DP gradient synchronization, the optimizer step, TP collectives and PP P2P transfers (free
-communication), activation memory (the planner's memory check uses 16 bytes/parameter only), the cost
-of writing checkpoints, sequence-length variability (every microbatch costs the same), and spare devices:
-only the job's ``tp*pp*dp`` devices exist. The tokens/s numbers are model outputs, not measurements.
+Communication: free unless ``SimJob(comm=True)``; then TP all-reduces, PP P2P and the DP gradient
+all-reduce are priced by ``simcomm`` (alpha-beta model), and a fail-slow may target a device's links
+(``FailureEvent(target="link")``) instead of its compute. Policies then see per-device speeds that fold
+a slow link in (``simcomm.effective_speeds``), while prices use the compute and link factors.
+
+Ignored: the optimizer step, activation memory (the planner's memory check uses 16 bytes/parameter
+only), the cost of writing checkpoints, sequence-length variability (every microbatch costs the
+same), and spare devices: only the job's ``tp*pp*dp`` devices exist. The tokens/s numbers are model
+outputs, not measurements.
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ from steptune.resilience.plan import (
     rebalanced,
     shares_speed,
     should_apply,
+    uniform_repartition,
 )
+from steptune.resilience.simcomm import CommModel, comm_model, effective_speeds
 from steptune.resilience.workload import StageModel
 
 __all__ = [
@@ -66,6 +73,8 @@ __all__ = [
     "SimResult",
     "StepTimeHook",
     "SteptunePolicy",
+    "dp_sync_s",
+    "improve_counts",
     "layer_phase_times",
     "pipeline_time",
     "reconfig_cost",
@@ -74,6 +83,7 @@ __all__ = [
 ]
 
 _KINDS = ("fail-stop", "fail-slow")
+_TARGETS = ("compute", "link")
 _MIN_LAYER_S = 1e-9
 """Floor on a layer's time: embeddings have (almost) no FLOPs but the planner needs costs > 0."""
 _BYTES_PER_PARAM = 16.0
@@ -92,10 +102,14 @@ class FailureEvent:
     """How long a fail-slow lasts (inf: persistent). Ignored for a fail-stop."""
     factor: float = 1.0
     """Fail-slow speed multiplier in (0, 1]: 0.5 = half speed."""
+    target: str = "compute"
+    """What a fail-slow slows: the device's "compute" or its "link" bandwidth (``SimJob(comm=True)``)."""
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"failure kind {self.kind!r} must be one of {_KINDS}")
+        if self.target not in _TARGETS or (self.target == "link" and self.kind != "fail-slow"):
+            raise ValueError(f"failure target {self.target!r} must be one of {_TARGETS} (link: fail-slows)")
         if self.device < 0 or self.start_s < 0 or self.duration_s <= 0:
             raise ValueError("failure needs device >= 0, start_s >= 0 and duration_s > 0")
         if self.kind == "fail-slow" and not 0 < self.factor <= 1:
@@ -127,6 +141,8 @@ class SimJob:
     """Seconds each step spends outside the pipeline model (gradient sync, optimizer, host); 0: ignored."""
     efficiency: float = 0.5
     """Fraction of the device's peak FLOP/s that layers achieve."""
+    comm: bool = False
+    """Price TP, PP and DP communication on the cluster's links (``simcomm``); False: free."""
     checkpoint_interval_s: float = 1800.0
     restart_cost_s: float = 600.0
     """Stall of a checkpoint restart: reschedule, reload, warm up."""
@@ -162,6 +178,10 @@ class SimContext:
     layer_b: tuple[float, ...] = field(default=(), repr=False)
     layer_w: tuple[float, ...] = field(default=(), repr=False)
     gpus_per_node: int = 8
+    comm: CommModel | None = field(default=None, repr=False)
+    """The communication model (``SimJob(comm=True)``); speed vectors then carry link factors."""
+    comm_share: float = 0.0
+    """Fraction of the healthy step's stage time spent communicating (``effective_speeds``)."""
 
 
 class Policy(Protocol):
@@ -262,10 +282,11 @@ def pipeline_time(f: list[float] | tuple[float, ...], b: list[float] | tuple[flo
 
 
 def _make_step_time(
-    fwd: tuple[float, ...], bwd: tuple[float, ...]
+    fwd: tuple[float, ...], bwd: tuple[float, ...], comm: CommModel | None = None
 ) -> Callable[[ExecutionPlan, tuple[float, ...]], float]:
-    """Step time = slowest replica's 1F1B makespan; cached per replica (groups, partition, count, speeds),
-    so plans that differ in one replica's microbatch count re-simulate only that replica."""
+    """Step time = slowest replica's 1F1B makespan (+ the DP gradient sync with ``comm``); cached per
+    replica (partition, count, stage throughputs and communication), so plans that differ in one
+    replica's microbatch count re-simulate only that replica."""
     cache: dict[tuple[object, ...], float] = {}
 
     def replica_time(
@@ -282,13 +303,17 @@ def _make_step_time(
             stage_speeds = tuple(shares_speed(g, c, speeds) for g, c in zip(groups, shares, strict=True))
         if min(stage_speeds) <= 0:
             return math.inf
-        key = (part, m, stage_speeds)
+        extra = comm.stage_extra(groups, part, speeds) if comm is not None else None
+        key = (part, m, stage_speeds, extra)
         if key not in cache:
             f, b, start = [], [], 0
             for v, n in zip(stage_speeds, part, strict=True):
                 f.append(sum(fwd[start : start + n]) / v)
                 b.append(sum(bwd[start : start + n]) / v)
                 start += n
+            if extra is not None:
+                f = [x + y for x, y in zip(f, extra[0], strict=True)]
+                b = [x + y for x, y in zip(b, extra[1], strict=True)]
             cache[key] = pipeline_time(f, b, m)
         return cache[key]
 
@@ -301,9 +326,17 @@ def _make_step_time(
             groups = plan.tp_groups[r * num_s : (r + 1) * num_s]
             shares = plan.tp_shares[r * num_s : (r + 1) * num_s] if plan.tp_shares else None
             out = max(out, replica_time(groups, part, m, speeds, shares))
+        if comm is not None and math.isfinite(out):
+            out += comm.dp_sync_s(plan.tp_groups, plan.layer_partition, speeds)
         return out
 
     return step_time
+
+
+def dp_sync_s(plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
+    """The DP gradient all-reduce after ``plan``'s flush (0 without a comm model): for policies that
+    price their own steps."""
+    return 0.0 if ctx.comm is None else ctx.comm.dp_sync_s(plan.tp_groups, plan.layer_partition, speeds)
 
 
 def reconfig_cost(old: ExecutionPlan, new: ExecutionPlan, costs: ReconfigCosts) -> float:
@@ -339,6 +372,33 @@ def _shares_of(plan: ExecutionPlan, groups: tuple[tuple[int, ...], ...]) -> list
     """``plan``'s shares of each of ``groups`` (None: equal, or the group is not in ``plan``)."""
     own = dict(zip(plan.tp_groups, _shares(plan), strict=True))
     return [own.get(g) for g in groups]
+
+
+def improve_counts(
+    plan: ExecutionPlan, price: Callable[[ExecutionPlan], float], *, max_moves: int = 256
+) -> ExecutionPlan:
+    """Greedy DP redistribution: move one microbatch at a time from a replica to another while the
+    priced step time drops (Greyhound S2 minimizes the spread of per-replica times the same way)."""
+    best, best_t = plan, price(plan)
+    for _ in range(max_moves):
+        cands = []
+        for src in range(best.num_replicas):
+            if best.microbatches[src] == 0:
+                continue
+            for dst in range(best.num_replicas):
+                if dst != src:
+                    mb = list(best.microbatches)
+                    mb[src] -= 1
+                    mb[dst] += 1
+                    cand = replace(best, microbatches=tuple(mb))
+                    cands.append((price(cand), cand))
+        if not cands:
+            break
+        t, cand = min(cands, key=lambda x: x[0])
+        if t >= best_t * (1 - 1e-9):
+            break
+        best, best_t = cand, t
+    return best if best == plan else replace(best, version=plan.version + 1)
 
 
 # Policies ----------------------------------------------------------------------------------------
@@ -497,7 +557,8 @@ class ResiHPPolicy(Memoized):
     ) -> Decision:
         if self.tp_shares:
             state = replace(state, tp_shares=True)
-        used = [observed[d] for g in plan.tp_groups for d in g]
+        # The per-device view (a slow link shows as a slower device); prices use ``observed``.
+        used = [state.speeds[d] for g in plan.tp_groups for d in g]
         if min(used) >= 1.0 and plan.tp_shares is None:
             return self._readmit(plan, state, observed, ctx)
         dur = math.inf if min(used) <= 0 else self.expected_slow_s
@@ -531,7 +592,7 @@ class ResiHPPolicy(Memoized):
         """
         base_devices = {d for g in ctx.base_plan.tp_groups for d in g}
         in_plan = {d for g in plan.tp_groups for d in g}
-        if not any(observed[d] >= 1.0 for d in base_devices - in_plan):
+        if not any(state.speeds[d] >= 1.0 for d in base_devices - in_plan):
             # Nothing to take back; counts skewed for a fault that has ended go back to balance.
             new = rebalanced(state, plan)
             if new != plan and ctx.step_time(new, observed) < ctx.step_time(plan, observed):
@@ -586,7 +647,7 @@ class Oracle(Memoized):
         # Plans with uneven TP shares are steptune's alone; no baseline mechanism runs on them.
         if not self.extra_prices or plan.tp_shares is not None:
             return ctx.step_time(plan, speeds)
-        key = (plan, tuple(speeds[d] for g in plan.tp_groups for d in g))
+        key = (plan, tuple(speeds))
         if key not in self._prices:
             self._prices[key] = min(
                 ctx.step_time(plan, speeds), *(float(f(plan, speeds, ctx)) for f in self.extra_prices)
@@ -605,22 +666,29 @@ class Oracle(Memoized):
                     cand = _try_replan(st, src, math.inf, costs)
                     if cand is not None:
                         cands.append(cand)
-        best = min(cands, key=lambda p: self.step_time(p, observed, ctx))
+        # Greyhound's S3 (one repartition for all replicas), and greedy microbatch moves priced exactly
+        # (the planner's DP step assigns by speed; with slow links the DP sync term matters too).
+        cands += [c for src in (plan, ctx.base_plan) if (c := uniform_repartition(state, src)) is not None]
+        price = lambda p: self.step_time(p, observed, ctx)  # noqa: E731
+        best = min((improve_counts(c, price) for c in cands), key=price)
         return Decision(best if best == plan else replace(best, version=plan.version + 1))
 
 
 # The run loop ------------------------------------------------------------------------------------
 
 
-def _speeds(failures: tuple[FailureEvent, ...], n: int, t: float, delays: tuple[float, float]) -> list[float]:
-    """Speeds at time ``t`` as seen ``delays`` = (fail-stop, fail-slow) seconds late; (0, 0): the truth."""
-    out = [1.0] * n
+def _speeds(
+    failures: tuple[FailureEvent, ...], n: int, t: float, delays: tuple[float, float], links: bool = False
+) -> list[float]:
+    """Speeds at time ``t`` as seen ``delays`` = (fail-stop, fail-slow) seconds late; (0, 0): the truth.
+    With ``links``: ``n`` compute factors, then ``n`` link factors."""
+    out = [1.0] * (2 * n if links else n)
     for f in failures:
         if f.kind == "fail-stop":
             if t >= f.start_s + delays[0]:
                 out[f.device] = 0.0
         elif f.start_s + delays[1] <= t < f.end_s + delays[1]:
-            out[f.device] *= f.factor
+            out[f.device + (n if f.target == "link" else 0)] *= f.factor
     return out
 
 
@@ -634,6 +702,8 @@ def run(
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     if any(f.device >= n for f in failures):
         raise ValueError(f"failure device ids must be < {n} (tp*pp*dp devices of the job)")
+    if not job.comm and any(f.target == "link" for f in failures):
+        raise ValueError("link fail-slows need a communication model: SimJob(comm=True)")
     fwd, bwd, nbytes, heads = _layer_times(job)
     memory = (
         job.memory_bytes if job.memory_bytes is not None else cluster_preset(job.cluster).device.memory_bytes
@@ -645,12 +715,13 @@ def run(
             speeds=speeds, layer_costs=costs, num_heads=heads, layer_bytes=nbytes, memory_bytes=memory
         )
 
-    ones = (1.0,) * n
-    base = initial_plan(
-        cluster_state(ones), tp=job.tp, pp=job.pp, dp=job.dp, global_microbatches=job.global_microbatches
-    )
-    step_time = _make_step_time(fwd, bwd)
+    gmb = job.global_microbatches
+    base = initial_plan(cluster_state((1.0,) * n), tp=job.tp, pp=job.pp, dp=job.dp, global_microbatches=gmb)
+    comm = comm_model(job.model, job.cluster, job.tokens_per_microbatch, n) if job.comm else None
+    ones = (1.0,) * (2 * n if comm else n)
+    step_time = _make_step_time(fwd, bwd, comm)
     healthy = step_time(base, ones)
+    share = 0.0 if comm is None else 1.0 - _make_step_time(fwd, bwd)(base, ones) / healthy
     lf, lb, lw = layer_phase_times(job)
     ctx = SimContext(
         job=job,
@@ -661,6 +732,8 @@ def run(
         layer_b=lb,
         layer_w=lw,
         gpus_per_node=cluster_preset(job.cluster).gpus_per_node,
+        comm=comm,
+        comm_share=share,
     )
     delays = (
         policy.detect_stop_steps * healthy,
@@ -681,8 +754,9 @@ def run(
     log: list[str] = []
     ckpt_step, ckpt_t, since_ckpt_s = 0, 0.0, 0.0  # good_steps at the last checkpoint
     while t < duration_s:
-        observed = tuple(_speeds(failures, n, t, delays))
-        decision = policy.on_step(t, steps, observed, plan, cluster_state(observed), ctx)
+        observed = tuple(_speeds(failures, n, t, delays, comm is not None))
+        view = effective_speeds(observed, n, share)
+        decision = policy.on_step(t, steps, observed, plan, cluster_state(view), ctx)
         if decision.plan != plan or decision.stall_s > 0:
             log.append(
                 f"t={t:.1f}s: plan v{plan.version} -> v{decision.plan.version}, stall {decision.stall_s}s"
@@ -694,7 +768,7 @@ def run(
                 lost += since_ckpt_s
                 good_steps, since_ckpt_s, ckpt_t = ckpt_step, 0.0, t
             continue  # the world may have changed during the stall
-        truth = tuple(_speeds(failures, n, t, (0.0, 0.0)))
+        truth = tuple(_speeds(failures, n, t, (0.0, 0.0), comm is not None))
         st = priced(plan, truth)
         if math.isinf(st):
             resume = min((x for x in changes if x > t), default=duration_s)

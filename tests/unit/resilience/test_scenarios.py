@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from steptune.resilience.scenarios import KINDS, SEVERITY, generate, read_csv, write_csv
+from steptune.resilience.scenarios import KINDS, LINK_FACTORS, SEVERITY, generate, read_csv, write_csv
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -15,8 +15,11 @@ def test_generate_is_seeded_and_in_range(kind: str) -> None:
     assert a and all(0 <= f.device < 256 and 0 <= f.start_s < 7200.0 for f in a)
     stops = [f.device for f in a if f.kind == "fail-stop"]
     assert len(stops) == len(set(stops))  # a device dies once
-    if kind.startswith("fail-slow-"):
+    if kind == "fail-slow-link":
+        assert all(f.target == "link" and LINK_FACTORS[0] <= f.factor <= LINK_FACTORS[1] for f in a)
+    elif kind.startswith("fail-slow-"):
         assert {f.factor for f in a} == {SEVERITY[kind.removeprefix("fail-slow-")]}
+        assert {f.target for f in a} == {"compute"}
 
 
 def test_rates_match_the_presets() -> None:
@@ -29,8 +32,13 @@ def test_csv_round_trip_and_errors(tmp_path: Path) -> None:
     p = tmp_path / "t.csv"
     write_csv(fails, p)
     assert read_csv(p, num_devices=64) == fails
+    assert p.read_text().startswith("kind,device,start_s,duration_s,factor\n")  # no target column
     with pytest.raises(ValueError, match="not among the job's 8 devices"):
         read_csv(p, num_devices=8)
+    links = generate("fail-slow-link", num_devices=64, duration_s=7200.0, seed=1) + fails
+    write_csv(links, p)
+    assert p.read_text().startswith("kind,device,start_s,duration_s,factor,target\n")
+    assert read_csv(p) == links
     bad = tmp_path / "bad.csv"
     bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,1,10,inf,1.7\n")
     with pytest.raises(ValueError, match=r"bad\.csv:2"):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
 
 from steptune.resilience.plan import (
     ExecutionPlan,
 )
 from steptune.resilience.sim import (
     SimContext,
+    improve_counts,
 )
 
 _INF = math.inf
@@ -24,38 +24,23 @@ def _dead(plan: ExecutionPlan, speeds: tuple[float, ...]) -> frozenset[int]:
 def _stage_costs(
     plan: ExecutionPlan, r: int, speeds: tuple[float, ...], ctx: SimContext
 ) -> tuple[list[float], list[float], list[float]]:
-    """Per stage of replica ``r``: F, B, W seconds of one microbatch (inf for a stage with a dead device)."""
+    """Per stage of replica ``r``: F, B, W seconds of one microbatch (inf for a stage with a dead device).
+    With a comm model, TP collectives and P2P go into F and B (as in ``sim``'s own step time)."""
     f, b, w, start = [], [], [], 0
-    for s, n in enumerate(plan.layer_partition[r]):
+    part = plan.layer_partition[r]
+    groups = plan.tp_groups[r * plan.num_stages : (r + 1) * plan.num_stages]
+    extra = ctx.comm.stage_extra(groups, part, speeds) if ctx.comm is not None else None
+    for s, n in enumerate(part):
         g = plan.group(r, s)
         v = len(g) * min(speeds[d] for d in g)
         sl = slice(start, start + n)
         for out, src in ((f, ctx.layer_f), (b, ctx.layer_b), (w, ctx.layer_w)):
             out.append(sum(src[sl]) / v if v > 0 else _INF)
         start += n
+    if extra is not None:
+        f = [x + y for x, y in zip(f, extra[0], strict=True)]
+        b = [x + y for x, y in zip(b, extra[1], strict=True)]
     return f, b, w
 
 
-def _improve_counts(plan: ExecutionPlan, price: Price, *, max_moves: int = 256) -> ExecutionPlan:
-    """Greedy DP redistribution: move one microbatch at a time from a replica to another while the
-    priced step time drops (Greyhound S2 minimizes the spread of per-replica times the same way)."""
-    best, best_t = plan, price(plan)
-    for _ in range(max_moves):
-        cands = []
-        for src in range(best.num_replicas):
-            if best.microbatches[src] == 0:
-                continue
-            for dst in range(best.num_replicas):
-                if dst != src:
-                    mb = list(best.microbatches)
-                    mb[src] -= 1
-                    mb[dst] += 1
-                    cand = replace(best, microbatches=tuple(mb))
-                    cands.append((price(cand), cand))
-        if not cands:
-            break
-        t, cand = min(cands, key=lambda x: x[0])
-        if t >= best_t * (1 - 1e-9):
-            break
-        best, best_t = cand, t
-    return best if best == plan else replace(best, version=plan.version + 1)
+_improve_counts = improve_counts

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import replace
 
 from steptune.pipeline.costs import StageCosts
@@ -15,15 +14,15 @@ from steptune.resilience.plan import (
     ClusterState,
     ExecutionPlan,
     ReconfigCosts,
-    StageMemory,
-    plan_pp,
     progressive_replan,
+    uniform_repartition,
 )
 from steptune.resilience.sim import (
     CheckpointRestart,
     Decision,
     Memoized,
     SimContext,
+    dp_sync_s,
     pipeline_time,
     reconfig_cost,
     restart_plan,
@@ -116,30 +115,17 @@ class Greyhound:
             new = _improve_counts(plan, price)
             return (new if new != plan else None), ctx.job.reconfig.dp_s, False
         if what == "pp":
-            speeds = [
-                min(
-                    len(plan.group(r, s)) * min(observed[d] for d in plan.group(r, s))
-                    for r in range(plan.num_replicas)
-                )
-                for s in range(plan.num_stages)
-            ]
-            mem = None
-            if math.isfinite(state.memory_bytes):
-                caps = tuple(
-                    min(len(plan.group(r, s)) for r in range(plan.num_replicas)) * state.memory_bytes
-                    for s in range(plan.num_stages)
-                )
-                mem = StageMemory(layer_bytes=state.layer_bytes, capacity=caps)
-            try:
-                part = plan_pp(state.layer_costs, speeds, memory=mem, prefer=plan.layer_partition[0])
-            except ValueError:
+            cand = uniform_repartition(state, plan)
+            if cand is None:
                 return None, 0.0, False
-            cand = replace(plan, version=plan.version + 1, layer_partition=(part,) * plan.num_replicas)
             cand = _improve_counts(cand, price)
             return cand, reconfig_cost(plan, cand, ctx.job.reconfig), False
         # S4: restart from the checkpoint without the replica(s) holding the slowest device.
-        slow = min(observed[d] for g in plan.tp_groups for d in g)
-        drop = tuple(0.0 if observed[d] <= slow else observed[d] for d in range(len(observed)))
+        # The per-device view (a slow link shows as a slow device); link factors stay as they are.
+        seen = state.speeds
+        slow = min(seen[d] for g in plan.tp_groups for d in g)
+        n = len(seen)
+        drop = tuple(0.0 if seen[d] <= slow else observed[d] for d in range(n)) + observed[n:]
         cand = restart_plan(plan, drop)
         if cand is None:
             return None, 0.0, True
@@ -177,7 +163,7 @@ class Adaptra:
     ) -> Decision:
         if _dead(plan, observed):
             return self._restart.on_step(t, step, observed, plan, state, ctx)
-        self._adapted = min(observed[d] for g in plan.tp_groups for d in g) < 1.0
+        self._adapted = min(state.speeds[d] for g in plan.tp_groups for d in g) < 1.0  # incl. slow links
         return Decision(plan)
 
     def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
@@ -190,7 +176,7 @@ class Adaptra:
             f, b, w = _stage_costs(plan, r, speeds, ctx)
             fb = tuple(x + y for x, y in zip(b, w, strict=True))
             out = max(out, self._replica(tuple(f), fb, plan.microbatches[r]))
-        return out
+        return out + dp_sync_s(plan, speeds, ctx)
 
     def _replica(self, f: tuple[float, ...], fb: tuple[float, ...], m: int) -> float:
         return _rescheduled(f, fb, m, self.max_extra)
@@ -223,7 +209,7 @@ def adaptra_step_time(plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimCo
         f, b, w = _stage_costs(plan, r, speeds, ctx)
         fb = tuple(x + y for x, y in zip(b, w, strict=True))
         out = max(out, _rescheduled(tuple(f), fb, plan.microbatches[r], 3))
-    return out
+    return out + dp_sync_s(plan, speeds, ctx)
 
 
 # Strengthened ReCycle / Oobleck ------------------------------------------------------------------

@@ -17,6 +17,7 @@ from steptune.resilience.sim import (
     Decision,
     Memoized,
     SimContext,
+    dp_sync_s,
     pipeline_time,
     reconfig_cost,
     restart_plan,
@@ -75,7 +76,7 @@ class ReCycle:
     def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
         if not _dead(plan, speeds) <= self._known:
             return _INF  # a failure ReCycle has not reacted to yet: the step cannot finish
-        key = (plan, tuple(speeds[d] for g in plan.tp_groups for d in g))
+        key = (plan, tuple(speeds))
         if key not in self._cache:
             self._cache[key] = self._step(plan, speeds, ctx)
         return self._cache[key]
@@ -125,7 +126,7 @@ def recycle_step_time(
                 idle = base - m * (fs[s] + bs[s])
                 over = max(over, e[s] * w[s] - absorb * idle)
         out = max(out, base + over)
-    return out
+    return out + dp_sync_s(plan, speeds, ctx)
 
 
 # Oobleck -----------------------------------------------------------------------------------------
