@@ -160,7 +160,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from steptune.core.report import Table
-    from steptune.resilience.sweep import failure_rate_sweep, length_cv_sweep
+    from steptune.resilience.sweep import fail_slow_duration_sweep, failure_rate_sweep, length_cv_sweep
 
     say = lambda m: print(m, flush=True)  # noqa: E731
     scales = (0.5, 2.0) if args.quick else (0.5, 1.0, 2.0)
@@ -179,6 +179,26 @@ def _sweep(args: argparse.Namespace) -> int:
     for r in rate["rows"]:
         vs = ", ".join(f"{b} {x:.3f}" if x is not None else f"{b} inf" for b, x in r["ratio_vs"].items())
         t.add(r["rate_scale"], r["kind"], r["failures"], r["of_oracle"], vs)
+    t.print()
+    dur = fail_slow_duration_sweep(
+        model=args.model,
+        kinds=("fail-slow-strong",) if args.quick else ("fail-slow-medium", "fail-slow-strong"),
+        duration_s=1800.0 if args.quick else 7200.0,
+        detector_runs=4 if args.quick else 12,
+        workers=args.workers,
+        progress=say,
+    )
+    t = Table(
+        title=f"fail-slow duration sensitivity, {args.model} (SIMULATED): ours / home baselines",
+        columns=["fail-slows", "kind", "failures", "ResiHP / oracle", "steptune / oracle", "ratios"],
+    )
+    for r in dur["rows"]:
+        vs = "; ".join(
+            f"{ours}: " + ", ".join(f"{b} {x:.3f}" if x is not None else f"{b} inf" for b, x in xs.items())
+            for ours, xs in r["ratio_vs"].items()
+        )
+        what = "persistent" if r["persistent"] else f"median {r['median_s'] / 60:.0f} min"
+        t.add(what, r["kind"], r["failures"], r["of_oracle"]["resihp"], r["of_oracle"]["steptune"], vs)
     t.print()
     sigmas = (0.5, 1.5) if args.quick else (0.5, 1.0, 1.5)
     cv = length_cv_sweep(sigmas=sigmas, runs=4 if args.quick else 20)
@@ -207,7 +227,8 @@ def _sweep(args: argparse.Namespace) -> int:
         )
     t.print()
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"failure_rate": rate, "length_cv": cv}, indent=1, allow_nan=False))
+    res = {"failure_rate": rate, "fail_slow_duration": dur, "length_cv": cv}
+    args.json.write_text(json.dumps(res, indent=1, allow_nan=False))
     print(f"wrote: {args.json}")
     return 0
 
@@ -495,7 +516,9 @@ def register(sub: Any) -> None:
     b.add_argument("--json", type=Path, required=True)
     b.add_argument("--plot", type=Path, default=None, help="PNG of the ratios per scenario kind")
     b.set_defaults(func=_bench)
-    sw = verbs.add_parser("sweep", help="sensitivity to the failure rate and to the sequence-length spread")
+    sw = verbs.add_parser(
+        "sweep", help="sensitivity to the failure rate, the fail-slow duration and the sequence-length spread"
+    )
     sw.add_argument("--model", default="llama2-13b")
     sw.add_argument(
         "--quick", action="store_true", help="two scales, 30 simulated minutes, few detector runs"

@@ -5,7 +5,8 @@ fail-slow statistics):
 - ``fail-stop``: device deaths, exponential gaps with mean ``stop_every_s`` (default 30 min).
 - ``fail-slow-weak|medium|strong``: compute slowdowns of 1.25x, 1.5x, 2.5x (speed factors 0.8, 0.667,
   0.4); onsets with exponential gaps of mean ``slow_every_s`` (20 min), lognormal durations with
-  median ``slow_median_s`` (15 min) and sigma 1 (a heavy tail into hours), truncated to [2 min, 3 h].
+  median ``slow_median_s`` (15 min) and sigma 1 (a heavy tail into hours), truncated to [2 min, 3 h];
+  ``slow_median_s=inf``: persistent fail-slows (ResiHP's evaluation setting).
 - ``fail-slow-link``: a device's links (NVLink and NIC) at ``LINK_FACTORS`` (0.3-0.7) of their
   bandwidth, same arrivals and durations as the compute fail-slows (needs ``SimJob(comm=True)``).
 - ``mixed``: fail-stops every hour plus medium fail-slows every 20 minutes.
@@ -80,7 +81,9 @@ def generate(
     def slows(factor: float | None) -> None:
         """Compute fail-slows of ``factor``; None: link fail-slows of a factor drawn per episode."""
         for t in _arrivals(rng, rates.slow_every_s, duration_s):
-            dur = float(np.clip(rng.lognormal(math.log(rates.slow_median_s), 1.0), 120.0, 3 * 3600.0))
+            # Drawn even when persistent, so that scenarios differing only in durations share onsets.
+            raw = float(rng.lognormal(math.log(min(rates.slow_median_s, 1e12)), 1.0))
+            dur = math.inf if math.isinf(rates.slow_median_s) else float(np.clip(raw, 120.0, 3 * 3600.0))
             d = int(rng.integers(num_devices))
             link = factor is None
             f = round(float(rng.uniform(*LINK_FACTORS)), 3) if link else factor

@@ -669,8 +669,10 @@ class Oracle(Memoized):
         # Greyhound's S3 (one repartition for all replicas), and greedy microbatch moves priced exactly
         # (the planner's DP step assigns by speed; with slow links the DP sync term matters too).
         cands += [c for src in (plan, ctx.base_plan) if (c := uniform_repartition(state, src)) is not None]
-        price = lambda p: self.step_time(p, observed, ctx)  # noqa: E731
-        best = min((improve_counts(c, price) for c in cands), key=price)
+        # The moves are priced by the plain step time (per-replica cached; the other mechanisms' prices
+        # would re-simulate every move), the final pick by the best of all prices.
+        cands += [improve_counts(c, lambda p: ctx.step_time(p, observed)) for c in cands]
+        best = min(cands, key=lambda p: self.step_time(p, observed, ctx))
         return Decision(best if best == plan else replace(best, version=plan.version + 1))
 
 

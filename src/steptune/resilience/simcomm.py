@@ -57,6 +57,15 @@ class CommModel:
         object.__setattr__(self, "_tp_vol", tuple(itertools.accumulate(vol, initial=0.0)))
         object.__setattr__(self, "_tp_n", tuple(itertools.accumulate(self.tp_calls, initial=0)))
         object.__setattr__(self, "_grad", tuple(itertools.accumulate(self.grad_bytes, initial=0.0)))
+        object.__setattr__(self, "_memo", {})  # the step-time functions call these per candidate plan
+
+    def _link_key(self, groups: Sequence[Sequence[int]], speeds: Sequence[float]) -> tuple[float, ...] | None:
+        """The link factors of ``groups``' devices, or None when every one is healthy (the common case)."""
+        if len(speeds) <= self.num_devices:
+            return None
+        n = self.num_devices
+        key = tuple(speeds[n + d] for g in groups for d in g)
+        return key if min(key) < 1.0 else None
 
     def link(self, speeds: Sequence[float], d: int) -> float:
         return speeds[self.num_devices + d] if len(speeds) > self.num_devices else 1.0
@@ -91,6 +100,9 @@ class CommModel:
         self, groups: Sequence[Sequence[int]], part: Sequence[int], speeds: Sequence[float]
     ) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per stage of one replica: seconds of communication added to its F and to its B."""
+        memo_key = ("stage", tuple(groups), tuple(part), self._link_key(groups, speeds))
+        if (hit := self._memo.get(memo_key)) is not None:
+            return hit  # type: ignore[no-any-return]
         f, b, start = [], [], 0
         for s, (g, n) in enumerate(zip(groups, part, strict=True)):
             tp = self.tp_s(g, start, n, speeds)
@@ -99,7 +111,9 @@ class CommModel:
             f.append(tp + fwd)
             b.append(tp + bwd)
             start += n
-        return tuple(f), tuple(b)
+        out = (tuple(f), tuple(b))
+        self._memo[memo_key] = out
+        return out
 
     def dp_sync_s(
         self,
@@ -111,6 +125,16 @@ class CommModel:
         num_r = len(partitions)
         if num_r <= 1:
             return 0.0
+        memo_key = ("dp", tuple(groups), tuple(partitions), self._link_key(groups, speeds))
+        if (hit := self._memo.get(memo_key)) is not None:
+            return hit  # type: ignore[no-any-return]
+        self._memo[memo_key] = out = self._dp_sync(groups, partitions, speeds)
+        return out
+
+    def _dp_sync(
+        self, groups: Sequence[Sequence[int]], partitions: Sequence[Sequence[int]], speeds: Sequence[float]
+    ) -> float:
+        num_r = len(partitions)
         num_s = len(partitions[0])
         worst = 0.0
         for s in range(num_s):

@@ -2,6 +2,9 @@
 
 - Failure rate: one model, each scenario kind's arrival rates scaled by ``rate_scales`` (2 = twice as
   many failures), ResiHP and the baselines on the same generated scenarios; ratios per scale.
+- Fail-slow duration: one model, fail-slow kinds with Greyhound-like episodes (lognormal, median
+  ``slow_median_s``) against persistent ones (never end: the setting ResiHP's paper evaluates), ResiHP's
+  and steptune's ratios over the home baselines.
 - Length CV: the detector study on length distributions of increasing spread (lognormal sigma), with
   the healthy microbatch and step CVs they produce: how many false alarms each detector raises as the
   workload varies more, and whether ResiHP still catches 1.25x fail-slows.
@@ -22,7 +25,7 @@ from steptune.resilience.evaluate import JobSpec, detector_scores, simulate_run
 from steptune.resilience.scenarios import Rates
 from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
 
-__all__ = ["failure_rate_sweep", "length_cv_sweep"]
+__all__ = ["fail_slow_duration_sweep", "failure_rate_sweep", "length_cv_sweep"]
 
 _SWEEP_POLICIES = tuple(p for p in POLICIES if p not in ("malleus-lite", "noop"))
 
@@ -76,6 +79,58 @@ def failure_rate_sweep(
                 "tokens_per_s": t,
                 "ratio_vs": {b: (t["resihp"] / t[b] if t[b] > 0 else None) for b in homes},
                 "of_oracle": t["resihp"] / t["oracle"],
+            }
+        )
+    return {"model": model, "duration_s": duration_s, "rows": out, "simulated": True}
+
+
+def fail_slow_duration_sweep(
+    *,
+    model: str = "llama2-13b",
+    kinds: tuple[str, ...] = ("fail-slow-medium", "fail-slow-strong"),
+    medians_s: tuple[float, ...] = (900.0, math.inf),
+    duration_s: float = 7200.0,
+    detector_runs: int = 12,
+    workers: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Per (median fail-slow duration, kind): tokens/s of each policy, and ResiHP's and steptune's ratios
+    over the kind's home baselines (inf median: persistent fail-slows)."""
+    if any(not x > 0 for x in medians_s):
+        raise ValueError(f"median durations must be > 0 seconds (inf: persistent), got {medians_s}")
+    _, det = measure_detectors(detector_runs)
+    tasks = [
+        RowTask(
+            model=model,
+            kind=k,
+            seed=0,
+            duration_s=duration_s,
+            det=det,
+            rates=Rates(slow_median_s=med),
+            policies=_SWEEP_POLICIES,
+        )
+        for med in medians_s
+        for k in kinds
+    ]
+    rows = run_rows(tasks, workers, progress)
+    out = []
+    for task, row in zip(tasks, rows, strict=True):
+        t = row["tokens_per_s"]
+        homes = [b for b, ks in HOME.items() if row["kind"] in ks and b in t and b != "ckpt-restart"]
+        assert task.rates is not None
+        med = task.rates.slow_median_s
+        out.append(
+            {
+                "median_s": None if math.isinf(med) else med,
+                "persistent": math.isinf(med),
+                "kind": row["kind"],
+                "failures": row["failures"],
+                "tokens_per_s": t,
+                "ratio_vs": {
+                    ours: {b: (t[ours] / t[b] if t[b] > 0 else None) for b in homes}
+                    for ours in ("resihp", "steptune")
+                },
+                "of_oracle": {ours: t[ours] / t["oracle"] for ours in ("resihp", "steptune")},
             }
         )
     return {"model": model, "duration_s": duration_s, "rows": out, "simulated": True}
