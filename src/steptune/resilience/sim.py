@@ -48,7 +48,6 @@ from steptune.resilience.plan import (
     ClusterState,
     ExecutionPlan,
     ReconfigCosts,
-    estimate_step_time,
     initial_plan,
     progressive_replan,
     rebalanced,
@@ -584,28 +583,32 @@ class ResiHPPolicy(Memoized):
     def _readmit(
         self, plan: ExecutionPlan, state: ClusterState, observed: tuple[float, ...], ctx: SimContext
     ) -> Decision:
-        """Every device in the plan is healthy: take back healthy devices the plan had excluded.
+        """Every device in the plan is healthy: undo what the faults made the plan do.
 
-        Replan from the first plan under the observed speeds; switch only if the modelled step gets
-        faster and the gain over ``expected_slow_s`` (the horizon a fail-slow decision used) pays for
-        the reconfiguration, the same ski-rental rule as in the other direction.
+        Candidates: the replan from the first plan under the observed speeds (takes back recovered
+        devices, restores the layer partition) and the current plan with balanced microbatch counts.
+        Switch to the one with the fastest simulated step if it is faster and the gain over
+        ``expected_slow_s`` (the horizon a fail-slow decision used) pays for the reconfiguration, the
+        same ski-rental rule as in the other direction.
         """
+        cands = [rebalanced(state, plan)]
         base_devices = {d for g in ctx.base_plan.tp_groups for d in g}
         in_plan = {d for g in plan.tp_groups for d in g}
-        if not any(state.speeds[d] >= 1.0 for d in base_devices - in_plan):
-            # Nothing to take back; counts skewed for a fault that has ended go back to balance.
-            new = rebalanced(state, plan)
-            if new != plan and ctx.step_time(new, observed) < ctx.step_time(plan, observed):
-                return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
+        back = any(state.speeds[d] >= 1.0 for d in base_devices - in_plan)
+        if back or set(plan.layer_partition) != set(ctx.base_plan.layer_partition):
+            new = _try_replan(state, ctx.base_plan, math.inf, ctx.job.reconfig, self.per_replica_partitions)
+            if new is not None:
+                cands.append(new)
+        t_now = ctx.step_time(plan, observed)
+        best, best_t = plan, t_now
+        for c in cands:
+            c = replace(c, version=plan.version + 1)
+            t_c, cost = ctx.step_time(c, observed), reconfig_cost(plan, c, ctx.job.reconfig)
+            if t_c < best_t and should_apply(t_now, t_c, self.expected_slow_s, cost):
+                best, best_t = c, t_c
+        if best is plan:
             return Decision(plan)
-        new = _try_replan(state, ctx.base_plan, math.inf, ctx.job.reconfig, self.per_replica_partitions)
-        if new is None:
-            return Decision(plan)
-        cost = reconfig_cost(plan, new, ctx.job.reconfig)
-        t_now, t_new = estimate_step_time(state, plan), estimate_step_time(state, new)
-        if new == plan or not should_apply(t_now, t_new, self.expected_slow_s, cost):
-            return Decision(plan)
-        return Decision(replace(new, version=plan.version + 1), cost)
+        return Decision(best, reconfig_cost(plan, best, ctx.job.reconfig))
 
 
 class SteptunePolicy(ResiHPPolicy):
@@ -672,7 +675,9 @@ class Oracle(Memoized):
         # The moves are priced by the plain step time (per-replica cached; the other mechanisms' prices
         # would re-simulate every move), the final pick by the best of all prices.
         cands += [improve_counts(c, lambda p: ctx.step_time(p, observed)) for c in cands]
-        best = min(cands, key=lambda p: self.step_time(p, observed, ctx))
+        # Many candidates are the same plan under another version number: price each plan once.
+        unique = dict.fromkeys(replace(c, version=plan.version) for c in cands)
+        best = min(unique, key=lambda p: self.step_time(p, observed, ctx))
         return Decision(best if best == plan else replace(best, version=plan.version + 1))
 
 
