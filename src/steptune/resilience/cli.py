@@ -188,17 +188,16 @@ def _sweep(args: argparse.Namespace) -> int:
         workers=args.workers,
         progress=say,
     )
+    homes = sorted({b for r in dur["rows"] for xs in r["ratio_vs"].values() for b in xs})
     t = Table(
-        title=f"fail-slow duration sensitivity, {args.model} (SIMULATED): ours / home baselines",
-        columns=["fail-slows", "kind", "failures", "ResiHP / oracle", "steptune / oracle", "ratios"],
+        title=f"fail-slow duration sensitivity, {args.model} (SIMULATED): ours / baseline",
+        columns=["fail-slows", "kind", "failures", "policy", "of oracle", *(f"vs {b}" for b in homes)],
     )
     for r in dur["rows"]:
-        vs = "; ".join(
-            f"{ours}: " + ", ".join(f"{b} {x:.3f}" if x is not None else f"{b} inf" for b, x in xs.items())
-            for ours, xs in r["ratio_vs"].items()
-        )
         what = "persistent" if r["persistent"] else f"median {r['median_s'] / 60:.0f} min"
-        t.add(what, r["kind"], r["failures"], r["of_oracle"]["resihp"], r["of_oracle"]["steptune"], vs)
+        for ours, xs in r["ratio_vs"].items():
+            vs = [xs.get(b) if xs.get(b) is not None else float("inf") for b in homes]
+            t.add(what, r["kind"], r["failures"], ours, r["of_oracle"][ours], *vs)
     t.print()
     sigmas = (0.5, 1.5) if args.quick else (0.5, 1.0, 1.5)
     cv = length_cv_sweep(sigmas=sigmas, runs=4 if args.quick else 20)
