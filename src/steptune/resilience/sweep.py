@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from steptune.core.specs import Phase, cluster_preset, model_preset
-from steptune.resilience.bench import HOME, POLICIES, RowTask, measure_detectors, run_rows
+from steptune.resilience.bench import HOME, POLICIES, DetectorCosts, RowTask, measure_detectors, run_rows
 from steptune.resilience.evaluate import JobSpec, detector_scores, simulate_run
 from steptune.resilience.scenarios import Rates
 from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
@@ -28,6 +28,29 @@ from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
 __all__ = ["fail_slow_duration_sweep", "failure_rate_sweep", "length_cv_sweep"]
 
 _SWEEP_POLICIES = tuple(p for p in POLICIES if p not in ("malleus-lite", "noop"))
+
+
+def _run_cases(
+    model: str,
+    cases: list[tuple[Rates, str]],
+    duration_s: float,
+    det: DetectorCosts,
+    workers: int,
+    progress: Callable[[str], None] | None,
+) -> list[tuple[Rates, dict[str, Any], list[str]]]:
+    """One bench row per (rates, kind) case: (rates, row, the kind's home baselines in the row)."""
+    tasks = [
+        RowTask(
+            model=model, kind=k, seed=0, duration_s=duration_s, det=det, rates=r, policies=_SWEEP_POLICIES
+        )
+        for r, k in cases
+    ]
+    out = []
+    for (rates, _), row in zip(cases, run_rows(tasks, workers, progress), strict=True):
+        t = row["tokens_per_s"]
+        homes = [b for b, ks in HOME.items() if row["kind"] in ks and b in t and b != "ckpt-restart"]
+        out.append((rates, row, homes))
+    return out
 
 
 def failure_rate_sweep(
@@ -45,32 +68,23 @@ def failure_rate_sweep(
         raise ValueError(f"rate scales must be > 0, got {rate_scales}")
     _, det = measure_detectors(detector_runs)
     base = Rates()
-    tasks = []
-    for scale in rate_scales:
-        rates = Rates(
-            stop_every_s=base.stop_every_s / scale,
-            slow_every_s=base.slow_every_s / scale,
-            slow_median_s=base.slow_median_s,
-            mixed_stop_every_s=base.mixed_stop_every_s / scale,
+    cases = [
+        (
+            Rates(
+                stop_every_s=base.stop_every_s / scale,
+                slow_every_s=base.slow_every_s / scale,
+                slow_median_s=base.slow_median_s,
+                mixed_stop_every_s=base.mixed_stop_every_s / scale,
+            ),
+            k,
         )
-        tasks += [
-            RowTask(
-                model=model,
-                kind=k,
-                seed=0,
-                duration_s=duration_s,
-                det=det,
-                rates=rates,
-                policies=_SWEEP_POLICIES,
-            )
-            for k in kinds
-        ]
-    rows = run_rows(tasks, workers, progress)
+        for scale in rate_scales
+        for k in kinds
+    ]
     out = []
-    for task, row in zip(tasks, rows, strict=True):
+    for rates, row, homes in _run_cases(model, cases, duration_s, det, workers, progress):
         t = row["tokens_per_s"]
-        scale = base.stop_every_s / task.rates.stop_every_s if task.rates else 1.0
-        homes = [b for b, ks in HOME.items() if row["kind"] in ks and b in t and b != "ckpt-restart"]
+        scale = base.stop_every_s / rates.stop_every_s
         out.append(
             {
                 "rate_scale": scale,
@@ -99,26 +113,11 @@ def fail_slow_duration_sweep(
     if any(not x > 0 for x in medians_s):
         raise ValueError(f"median durations must be > 0 seconds (inf: persistent), got {medians_s}")
     _, det = measure_detectors(detector_runs)
-    tasks = [
-        RowTask(
-            model=model,
-            kind=k,
-            seed=0,
-            duration_s=duration_s,
-            det=det,
-            rates=Rates(slow_median_s=med),
-            policies=_SWEEP_POLICIES,
-        )
-        for med in medians_s
-        for k in kinds
-    ]
-    rows = run_rows(tasks, workers, progress)
+    cases = [(Rates(slow_median_s=med), k) for med in medians_s for k in kinds]
     out = []
-    for task, row in zip(tasks, rows, strict=True):
+    for rates, row, homes in _run_cases(model, cases, duration_s, det, workers, progress):
         t = row["tokens_per_s"]
-        homes = [b for b, ks in HOME.items() if row["kind"] in ks and b in t and b != "ckpt-restart"]
-        assert task.rates is not None
-        med = task.rates.slow_median_s
+        med = rates.slow_median_s
         out.append(
             {
                 "median_s": None if math.isinf(med) else med,
