@@ -508,7 +508,7 @@ def register(sub: Any) -> None:
     sim.add_argument("--json", type=Path, default=None)
     sim.set_defaults(func=_simulate)
     b = verbs.add_parser("bench", help="every policy on the same simulated 256-GPU scenarios (JSON, table)")
-    b.add_argument("--quick", action="store_true", help="2 models x 3 kinds x 1 h: under a minute")
+    b.add_argument("--quick", action="store_true", help="2 models x 3 kinds x 30 min: under a minute")
     b.add_argument("--seeds", type=int, default=1, help="scenarios per (model, kind) in the full bench")
     b.add_argument("--workers", type=int, default=2, help="processes")
     b.add_argument("--models", default=None, help="comma-separated model presets (default: all seven)")
