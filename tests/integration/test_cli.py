@@ -52,7 +52,7 @@ def test_demo_writes_report(tmp_path):
         assert (tmp_path / "pipeline" / name).stat().st_size > 0
     assert "Detectors on 2 simulated runs" in report
     assert (tmp_path / "resilience" / "false_alarms.png").stat().st_size > 0
-    assert "Recovery policies, SIMULATED llama2-13b" in report
+    assert "Recovery policies, SIMULATED llama2-7b" in report
     assert (tmp_path / "resilience" / "policies_vs_oracle.png").stat().st_size > 0
     assert "Adversarial candidates (softmax): verdicts" in report
     assert (tmp_path / "kernels" / "kernels_demo.json").stat().st_size > 0

@@ -37,12 +37,11 @@ def _run_cases(
     det: DetectorCosts,
     workers: int,
     progress: Callable[[str], None] | None,
+    policies: tuple[str, ...] = _SWEEP_POLICIES,
 ) -> list[tuple[Rates, dict[str, Any], list[str]]]:
     """One bench row per (rates, kind) case: (rates, row, the kind's home baselines in the row)."""
     tasks = [
-        RowTask(
-            model=model, kind=k, seed=0, duration_s=duration_s, det=det, rates=r, policies=_SWEEP_POLICIES
-        )
+        RowTask(model=model, kind=k, seed=0, duration_s=duration_s, det=det, rates=r, policies=policies)
         for r, k in cases
     ]
     out = []
@@ -62,6 +61,7 @@ def failure_rate_sweep(
     detector_runs: int = 12,
     workers: int = 2,
     progress: Callable[[str], None] | None = None,
+    policies: tuple[str, ...] = _SWEEP_POLICIES,
 ) -> dict[str, Any]:
     """Per (scale, kind): tokens/s of each policy and ResiHP's ratio over the kind's home baselines."""
     if any(x <= 0 for x in rate_scales):
@@ -82,7 +82,7 @@ def failure_rate_sweep(
         for k in kinds
     ]
     out = []
-    for rates, row, homes in _run_cases(model, cases, duration_s, det, workers, progress):
+    for rates, row, homes in _run_cases(model, cases, duration_s, det, workers, progress, policies):
         t = row["tokens_per_s"]
         scale = base.stop_every_s / rates.stop_every_s
         out.append(
@@ -107,6 +107,7 @@ def fail_slow_duration_sweep(
     detector_runs: int = 12,
     workers: int = 2,
     progress: Callable[[str], None] | None = None,
+    policies: tuple[str, ...] = _SWEEP_POLICIES,
 ) -> dict[str, Any]:
     """Per (median fail-slow duration, kind): tokens/s of each policy, and ResiHP's and steptune's ratios
     over the kind's home baselines (inf median: persistent fail-slows)."""
@@ -115,7 +116,7 @@ def fail_slow_duration_sweep(
     _, det = measure_detectors(detector_runs)
     cases = [(Rates(slow_median_s=med), k) for med in medians_s for k in kinds]
     out = []
-    for rates, row, homes in _run_cases(model, cases, duration_s, det, workers, progress):
+    for rates, row, homes in _run_cases(model, cases, duration_s, det, workers, progress, policies):
         t = row["tokens_per_s"]
         med = rates.slow_median_s
         out.append(

@@ -20,6 +20,7 @@ def test_failure_rate_sweep() -> None:
         duration_s=1800.0,
         detector_runs=2,
         workers=1,
+        policies=("resihp", "recycle", "oobleck", "ckpt-restart", "oracle"),
     )
     lo, hi = res["rows"]
     assert (lo["rate_scale"], hi["rate_scale"]) == (0.5, 2.0)
@@ -39,6 +40,7 @@ def test_fail_slow_duration_sweep() -> None:
         duration_s=1200.0,
         detector_runs=2,
         workers=1,
+        policies=("resihp", "steptune", "greyhound", "adaptra", "ckpt-restart", "oracle"),
     )
     short, persistent = res["rows"]
     assert (short["persistent"], persistent["persistent"]) == (False, True)
