@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from steptune.core.specs import Phase, cluster_preset, model_preset
-from steptune.resilience.bench import HOME, POLICIES, DetectorCosts, RowTask, measure_detectors, run_rows
+from steptune.resilience.bench import HOME, POLICIES, RowTask, measure_detectors, run_rows
 from steptune.resilience.evaluate import JobSpec, detector_scores, simulate_run
 from steptune.resilience.scenarios import Rates
 from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
@@ -34,12 +34,14 @@ def _run_cases(
     model: str,
     cases: list[tuple[Rates, str]],
     duration_s: float,
-    det: DetectorCosts,
+    detector_runs: int,
     workers: int,
     progress: Callable[[str], None] | None,
-    policies: tuple[str, ...] = _SWEEP_POLICIES,
+    policies: tuple[str, ...],
 ) -> list[tuple[Rates, dict[str, Any], list[str]]]:
-    """One bench row per (rates, kind) case: (rates, row, the kind's home baselines in the row)."""
+    """One bench row per (rates, kind) case, the policies paying what the detector study measured:
+    (rates, row, the kind's home baselines in the row)."""
+    _, det = measure_detectors(detector_runs)
     tasks = [
         RowTask(model=model, kind=k, seed=0, duration_s=duration_s, det=det, rates=r, policies=policies)
         for r, k in cases
@@ -66,7 +68,6 @@ def failure_rate_sweep(
     """Per (scale, kind): tokens/s of each policy and ResiHP's ratio over the kind's home baselines."""
     if any(x <= 0 for x in rate_scales):
         raise ValueError(f"rate scales must be > 0, got {rate_scales}")
-    _, det = measure_detectors(detector_runs)
     base = Rates()
     cases = [
         (
@@ -82,7 +83,7 @@ def failure_rate_sweep(
         for k in kinds
     ]
     out = []
-    for rates, row, homes in _run_cases(model, cases, duration_s, det, workers, progress, policies):
+    for rates, row, homes in _run_cases(model, cases, duration_s, detector_runs, workers, progress, policies):
         t = row["tokens_per_s"]
         scale = base.stop_every_s / rates.stop_every_s
         out.append(
@@ -113,10 +114,9 @@ def fail_slow_duration_sweep(
     over the kind's home baselines (inf median: persistent fail-slows)."""
     if any(not x > 0 for x in medians_s):
         raise ValueError(f"median durations must be > 0 seconds (inf: persistent), got {medians_s}")
-    _, det = measure_detectors(detector_runs)
     cases = [(Rates(slow_median_s=med), k) for med in medians_s for k in kinds]
     out = []
-    for rates, row, homes in _run_cases(model, cases, duration_s, det, workers, progress, policies):
+    for rates, row, homes in _run_cases(model, cases, duration_s, detector_runs, workers, progress, policies):
         t = row["tokens_per_s"]
         med = rates.slow_median_s
         out.append(

@@ -6,12 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from steptune.core.specs import LinkSpec
+from steptune.core.specs import LinkSpec, model_preset
 from steptune.pipeline.anchors import one_f_one_b
 from steptune.pipeline.costs import StageCosts
 from steptune.pipeline.schedule import ActionKind
 from steptune.pipeline.simulate import simulate
 from steptune.resilience.baselines import Adaptra, Greyhound, ReCycle, Strengthened, oracle
+from steptune.resilience.plan import ClusterState, initial_plan
 from steptune.resilience.sim import (
     FailureEvent,
     NoOp,
@@ -95,9 +96,6 @@ def test_healthy_step_with_comm_matches_the_pipeline_simulator() -> None:
     cm = comm_model(JOB.model, JOB.cluster, JOB.tokens_per_microbatch, JOB.num_devices)
     f, b, w = layer_phase_times(JOB)
     # The first plan of the free-comm run is the same (the planner does not see communication).
-    from steptune.core.specs import model_preset
-    from steptune.resilience.plan import ClusterState, initial_plan
-
     costs = [max(x, 1e-9) + max(y + z, 1e-9) for x, y, z in zip(f, b, w, strict=True)]
     state = ClusterState(
         speeds=(1.0,) * 32,

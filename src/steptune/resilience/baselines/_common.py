@@ -10,7 +10,6 @@ from steptune.resilience.plan import (
 )
 from steptune.resilience.sim import (
     SimContext,
-    improve_counts,
 )
 
 _INF = math.inf
@@ -41,6 +40,3 @@ def _stage_costs(
         f = [x + y for x, y in zip(f, extra[0], strict=True)]
         b = [x + y for x, y in zip(b, extra[1], strict=True)]
     return f, b, w
-
-
-_improve_counts = improve_counts

@@ -8,7 +8,7 @@ from dataclasses import replace
 from steptune.pipeline.costs import StageCosts
 from steptune.pipeline.listsched import ListPolicy, list_schedule
 from steptune.pipeline.simulate import simulate
-from steptune.resilience.baselines._common import _INF, Price, _dead, _improve_counts, _stage_costs
+from steptune.resilience.baselines._common import _INF, Price, _dead, _stage_costs
 from steptune.resilience.baselines.failstop import Oobleck, ReCycle
 from steptune.resilience.plan import (
     ClusterState,
@@ -23,6 +23,7 @@ from steptune.resilience.sim import (
     Memoized,
     SimContext,
     dp_sync_s,
+    improve_counts,
     pipeline_time,
     reconfig_cost,
     restart_plan,
@@ -81,7 +82,7 @@ class Greyhound:
         visible = t_now >= (1 + self.level_change) * ctx.step_time(plan, ones)
         if not visible and min(observed[d] for g in plan.tp_groups for d in g) >= 1.0:
             # Healthy again (the step fell back): S2 in reverse, free.
-            new = _improve_counts(plan, price)
+            new = improve_counts(plan, price)
             return Decision(new) if new != plan else Decision(plan)
         if not visible:
             return Decision(plan)  # BOCD does not see a change under its level threshold
@@ -112,13 +113,13 @@ class Greyhound:
         price: Price,
     ) -> tuple[ExecutionPlan | None, float, bool]:
         if what == "dp":
-            new = _improve_counts(plan, price)
+            new = improve_counts(plan, price)
             return (new if new != plan else None), ctx.job.reconfig.dp_s, False
         if what == "pp":
             cand = uniform_repartition(state, plan)
             if cand is None:
                 return None, 0.0, False
-            cand = _improve_counts(cand, price)
+            cand = improve_counts(cand, price)
             return cand, reconfig_cost(plan, cand, ctx.job.reconfig), False
         # S4: restart from the checkpoint without the replica(s) holding the slowest device.
         # The per-device view (a slow link shows as a slow device); link factors stay as they are.
@@ -129,7 +130,7 @@ class Greyhound:
         cand = restart_plan(plan, drop)
         if cand is None:
             return None, 0.0, True
-        return _improve_counts(cand, price), ctx.job.restart_cost_s, True
+        return improve_counts(cand, price), ctx.job.restart_cost_s, True
 
 
 # Adaptra -----------------------------------------------------------------------------------------
@@ -171,15 +172,7 @@ class Adaptra:
             return _INF
         if not self._adapted:
             return ctx.step_time(plan, speeds)
-        out = 0.0
-        for r in range(plan.num_replicas):
-            f, b, w = _stage_costs(plan, r, speeds, ctx)
-            fb = tuple(x + y for x, y in zip(b, w, strict=True))
-            out = max(out, self._replica(tuple(f), fb, plan.microbatches[r]))
-        return out + dp_sync_s(plan, speeds, ctx)
-
-    def _replica(self, f: tuple[float, ...], fb: tuple[float, ...], m: int) -> float:
-        return _rescheduled(f, fb, m, self.max_extra)
+        return adaptra_step_time(plan, speeds, ctx, max_extra=self.max_extra)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -200,15 +193,18 @@ def _rescheduled(f: tuple[float, ...], fb: tuple[float, ...], m: int, max_extra:
     return t
 
 
-def adaptra_step_time(plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
-    """Adaptra's rescheduled step (no device, layer or batch change)."""
+def adaptra_step_time(
+    plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext, *, max_extra: int = 3
+) -> float:
+    """Adaptra's rescheduled step (no device, layer or batch change): per replica the best of 1F1B and
+    warm-ups up to ``max_extra`` microbatches deeper, plus the DP sync."""
     if _dead(plan, speeds):
         return _INF
     out = 0.0
     for r in range(plan.num_replicas):
         f, b, w = _stage_costs(plan, r, speeds, ctx)
         fb = tuple(x + y for x, y in zip(b, w, strict=True))
-        out = max(out, _rescheduled(tuple(f), fb, plan.microbatches[r], 3))
+        out = max(out, _rescheduled(tuple(f), fb, plan.microbatches[r], max_extra))
     return out + dp_sync_s(plan, speeds, ctx)
 
 
@@ -266,7 +262,7 @@ class Strengthened:
             t_now = price(plan)
             visible = t_now >= (1 + self.level_change) * self._price(ctx, ones)(plan)
             healthy = all(observed[x] >= 1.0 or observed[x] <= 0 for g in plan.tp_groups for x in g)
-            self._memo[key] = _improve_counts(plan, price) if visible or healthy else plan
+            self._memo[key] = improve_counts(plan, price) if visible or healthy else plan
         new = self._memo[key]
         return Decision(new, ctx.job.reconfig.dp_s if new != plan else 0.0)
 
