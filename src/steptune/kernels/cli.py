@@ -102,11 +102,12 @@ def _bench(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     if args.lane in ("sim", "cpu"):
-        from steptune.kernels.lanes import lane_table, run_cpu_lane, run_sim_lane, sweep
+        from steptune.kernels.lanes import kv_tier_study, lane_table, run_cpu_lane, run_sim_lane, sweep
 
         with console.status(f"{args.lane} lane ...") as status:
             if args.lane == "sim":
                 report = run_sim_lane(seeds=args.seeds, progress=status.update)
+                report["kv_tier"] = kv_tier_study(seeds=args.seeds, progress=status.update)
                 if args.sweep:
                     report["sweeps"] = {}
                     for param, values in SWEEPS:

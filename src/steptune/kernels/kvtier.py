@@ -180,6 +180,10 @@ class LocalCache:
     def capacity_tokens(self) -> int:
         return self._local.capacity
 
+    def replica(self) -> LocalCache:
+        """Another serving replica's cache: same capacity and costs, empty, nothing shared."""
+        return LocalCache(self.capacity_tokens, self.cost)
+
     def resident(self, prefix_id: str) -> int:
         """Tokens of `prefix_id` in the serving engine's cache (does not refresh its LRU position)."""
         return self._local.resident(prefix_id)
@@ -221,6 +225,9 @@ class LocalCache:
 class NullTier(LocalCache):
     """The "no KV tier" ablation: the serving engine's prefix cache and nothing behind it."""
 
+    def replica(self) -> NullTier:
+        return NullTier(self.capacity_tokens, self.cost)
+
 
 class SimTier(LocalCache):
     """The serving engine's cache in front of a remote tier in spare evaluation-GPU memory, both LRU.
@@ -235,9 +242,27 @@ class SimTier(LocalCache):
         *,
         local_capacity_tokens: int = DEFAULT_LOCAL_CAPACITY_TOKENS,
         cost: KVCostModel | None = None,
+        write_through: bool = False,
     ) -> None:
         super().__init__(local_capacity_tokens, cost)
         self._remote = _Lru(_tokens("remote_capacity_tokens", remote_capacity_tokens))
+        self.write_through = write_through
+        """Also store every `put` in the remote tier as the engine computes it (LMCache's store-on-compute,
+        HiCache's write_through), so that another serving replica can fetch it; otherwise streams reach the
+        remote tier only when the local cache evicts them."""
+
+    def replica(self) -> SimTier:
+        """Another serving replica's tier: its own engine cache (same capacity, empty), this remote tier.
+        Data-parallel replicas do not share engine caches, so a fork routed away from its reasoning stream's
+        replica finds its prefix only in the shared remote tier (with `write_through`) or prefills it."""
+        twin = SimTier(
+            0,
+            local_capacity_tokens=self.capacity_tokens,
+            cost=self.cost,
+            write_through=self.write_through,
+        )
+        twin._remote = self._remote
+        return twin
 
     @classmethod
     def from_eval_gpus(
@@ -247,6 +272,7 @@ class SimTier(LocalCache):
         cost: KVCostModel | None = None,
         *,
         local_capacity_tokens: int = DEFAULT_LOCAL_CAPACITY_TOKENS,
+        write_through: bool = False,
     ) -> SimTier:
         """Remote capacity = num_gpus x spare GiB / kv_bytes_per_token, e.g. 8 H200s lending 100 GiB each hold
         8 x 100 x 2**30 / 70,272 B = 12.2M tokens, about 400 prefixes of 30k tokens."""
@@ -254,7 +280,9 @@ class SimTier(LocalCache):
             raise ValueError(f"num_gpus={num_gpus}, spare_gib_per_gpu={spare_gib_per_gpu}: pass 0 or more")
         model = cost or KVCostModel()
         tokens = int(num_gpus * spare_gib_per_gpu * 2**30 // model.kv_bytes_per_token)
-        return cls(tokens, local_capacity_tokens=local_capacity_tokens, cost=model)
+        return cls(
+            tokens, local_capacity_tokens=local_capacity_tokens, cost=model, write_through=write_through
+        )
 
     @property
     def remote_capacity_tokens(self) -> int:
@@ -276,6 +304,11 @@ class SimTier(LocalCache):
             self._remote.touch(prefix_id)
             self.put(prefix_id, local + fetched, now)
         return seconds
+
+    def put(self, prefix_id: str, tokens: int, now: float) -> None:
+        super().put(prefix_id, tokens, now)
+        if self.write_through and self._remote.capacity:
+            self._demote(prefix_id, tokens)
 
     def _demote(self, stream: str, tokens: int) -> None:
         kept = min(tokens, self._remote.capacity)

@@ -5,10 +5,12 @@ Sim lane: for every seed, every policy (and SpecGen's ablations) runs with the s
 number of evaluation GPUs; the services draw from RNGs seeded by (seed, role), so the first candidates of
 every policy come from the same distributions. Reported per policy: medians over seeds with bootstrap 95%
 confidence intervals; per baseline, the paired per-seed ratios (baseline e2e / SpecGen e2e, SpecGen
-feedback / baseline feedback). A run that never reaches the target within the budget counts its e2e as
-the budget (censored; counted in `censored`): that understates SpecGen's advantage when only the
-baseline is censored, overstates it when only SpecGen is, and gives exactly 1.0 when both are (counted
-per baseline in `censored_both`, `censored_baseline`, `censored_specgen`).
+feedback / baseline feedback, baseline feedback latency / SpecGen feedback latency, where latency is the
+median time from a candidate's creation to its profiling result: what priority is for). A run that never
+reaches the target within the budget counts its e2e as the budget (censored; counted in `censored`): that
+understates SpecGen's advantage when only the baseline is censored, overstates it when only SpecGen is, and
+gives exactly 1.0 when both are (counted per baseline in `censored_both`, `censored_baseline`,
+`censored_specgen`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from steptune.kernels.termination import Budget, TerminationConfig
 
 __all__ = [
     "BASELINES",
+    "KV_DEPLOYMENTS",
     "VARIANTS",
     "cpu_traces",
+    "kv_tier_study",
     "lane_table",
     "run_cpu_lane",
     "run_sim_lane",
@@ -73,7 +77,10 @@ def sim_run(
     cost = KVCostModel() if prefill_tps is None else KVCostModel(prefill_tps=prefill_tps)
     local = DEFAULT_LOCAL_CAPACITY_TOKENS if local_kv_tokens is None else local_kv_tokens
     if kv_on:
-        kv: KVTier = SimTier.from_eval_gpus(eval_gpus, spare_gib_per_gpu, cost, local_capacity_tokens=local)
+        # prefixes are stored as the engine computes them, so a fork on another serving replica can fetch them
+        kv: KVTier = SimTier.from_eval_gpus(
+            eval_gpus, spare_gib_per_gpu, cost, local_capacity_tokens=local, write_through=True
+        )
     else:
         kv = NullTier(local, cost)
     llm = SimLLM(random.Random(seed * 1000 + 1), kv, sim, quality)
@@ -85,13 +92,21 @@ def sim_run(
         **overrides,
     )
     report = run(Search(llm, ev, cfg).run(), virtual=True).to_json()
-    report.update(variant=variant, seed=seed, prefill_s=llm.prefill_s)
+    report.update(
+        variant=variant, seed=seed, prefill_s=llm.prefill_s, forks_off_replica=llm.forks_off_replica
+    )
     return report
 
 
 def _job(args: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
     variant, seed, kw = args
     return sim_run(variant, seed, **kw)
+
+
+def _latency(run: dict[str, Any], wall: float) -> float:
+    """A run's median profiling-feedback latency; the wall budget when nothing was profiled (censored)."""
+    lat = run.get("feedback_latency_s")
+    return float(lat) if lat is not None else wall
 
 
 def _ci(values: list[float], rng: random.Random, n: int = 2000) -> tuple[float, float]:
@@ -146,6 +161,7 @@ def run_sim_lane(
             "tokens": [float(sum(r["tokens"].values())) for r in rs],
             "iterations": [float(r["iterations"]) for r in rs],
             "prefill_s": [r["prefill_s"] for r in rs],
+            "feedback_latency_s": [_latency(r, wall) for r in rs],
         }
         policies[name] = {"censored": sum(r["e2e_time_s"] is None for r in rs)}
         for key, values in metrics.items():  # the median under the metric's name, its interval beside it
@@ -164,12 +180,15 @@ def run_sim_lane(
             for o, p in zip(other, spec, strict=True)
         ]
         fb_r = [p["feedback_count"] / max(1, o["feedback_count"]) for o, p in zip(other, spec, strict=True)]
-        s_e, s_f = _summary(e2e_r, rng), _summary(fb_r, rng)
+        lat_r = [_latency(o, wall) / _latency(p, wall) for o, p in zip(other, spec, strict=True)]
+        s_e, s_f, s_l = _summary(e2e_r, rng), _summary(fb_r, rng), _summary(lat_r, rng)
         ratios[name] = {
             "e2e": s_e["median"],
             "e2e_ci95": s_e["ci95"],
             "feedback": s_f["median"],
             "feedback_ci95": s_f["ci95"],
+            "latency": s_l["median"],
+            "latency_ci95": s_l["ci95"],
             "censored_baseline": sum(o["e2e_time_s"] is None for o in other),
             "censored_specgen": sum(p["e2e_time_s"] is None for p in spec),
             "censored_both": sum(
@@ -192,6 +211,47 @@ def run_sim_lane(
         "ratios": ratios,
         "runs": [{k: v for k, v in r.items() if k not in ("best_timeline", "roles_timeline")} for r in runs],
     }
+
+
+KV_DEPLOYMENTS: tuple[tuple[int, str], ...] = ((2, "load"), (4, "load"), (2, "prefix"))
+"""(serving replicas, fork routing) where the KV tier ablation is rerun (the main lane serves from one)."""
+
+
+def kv_tier_study(
+    *,
+    seeds: int = 20,
+    deployments: tuple[tuple[int, str], ...] = KV_DEPLOYMENTS,
+    workers: int = 2,
+    progress: Callable[[str], None] | None = None,
+    **kw: Any,
+) -> list[dict[str, Any]]:
+    """SpecGen with and without the KV tier on replicated serving (SIMULATED): what a fork routed away from
+    its reasoning stream's replica pays when the prefix is not in a shared tier. Per deployment: median
+    prefill seconds of a run with and without the tier, forks sent off-replica, and the paired e2e and
+    feedback ratios."""
+    rows = []
+    for replicas, routing in deployments:
+        if progress:
+            progress(f"KV tier study: {replicas} replicas, {routing} routing")
+        sim = replace(kw.get("sim") or SimConfig(), replicas=replicas, fork_routing=routing)
+        rep = run_sim_lane(
+            seeds=seeds,
+            variants=("specgen", "specgen-no-kv-tier"),
+            workers=workers,
+            **{**kw, "sim": sim},
+        )
+        off = [float(r["forks_off_replica"]) for r in rep["runs"] if r["variant"] == "specgen"]
+        tier, none = rep["policies"]["specgen"], rep["policies"]["specgen-no-kv-tier"]
+        ratio = rep["ratios"]["specgen-no-kv-tier"]
+        rows.append({
+            "replicas": replicas, "fork_routing": routing,
+            "prefill_s_tier": tier["prefill_s"], "prefill_s_tier_ci95": tier["prefill_s_ci95"],
+            "prefill_s_no_tier": none["prefill_s"], "prefill_s_no_tier_ci95": none["prefill_s_ci95"],
+            "forks_off_replica": statistics.median(off),
+            "e2e": ratio["e2e"], "e2e_ci95": ratio["e2e_ci95"],
+            "feedback": ratio["feedback"], "feedback_ci95": ratio["feedback_ci95"],
+        })  # fmt: skip
+    return rows
 
 
 def sweep(
@@ -341,6 +401,7 @@ def lane_table(report: dict[str, Any]) -> Any:
             "eval utilization",
             "best speedup",
             "tokens",
+            "feedback latency",
         ],
     )
     for name, p in report["policies"].items():
@@ -348,17 +409,28 @@ def lane_table(report: dict[str, Any]) -> Any:
             cens = f" ({p['censored']} never)" if p["censored"] else ""
             t.add(name, f"{p['e2e_time_s']:.0f} s{cens}", f"{p['feedback_count']:.0f}",
                   f"{p['eval_utilization']:.1%}", f"{p['best_speedup']:.2f}x",
-                  f"{p['tokens'] / 1e3:.0f}k")  # fmt: skip
+                  f"{p['tokens'] / 1e3:.0f}k", f"{p['feedback_latency_s']:.0f} s")  # fmt: skip
         else:
             best = f"{p['best_speedup']:.2f}x" if p["best_speedup"] else "-"
             fb = f"{p['feedback_count']} ({p['feedback_per_min']:.1f}/min)"
             toks = f"{sum(p['tokens'].values()) / 1e3:.1f}k"
-            t.add(name, "-", fb, f"{p['eval_utilization']:.1%}", best, toks)
+            lat = p.get("feedback_latency_s")
+            t.add(name, "-", fb, f"{p['eval_utilization']:.1%}", best, toks, f"{lat:.1f} s" if lat else "-")
     if sim:
         for name, r in report["ratios"].items():
             t.notes.append(
                 f"SpecGen vs {name}: e2e {r['e2e']:.2f}x [{r['e2e_ci95'][0]:.2f}, {r['e2e_ci95'][1]:.2f}], "
-                f"feedback {r['feedback']:.2f}x [{r['feedback_ci95'][0]:.2f}, {r['feedback_ci95'][1]:.2f}]"
+                f"feedback {r['feedback']:.2f}x [{r['feedback_ci95'][0]:.2f}, {r['feedback_ci95'][1]:.2f}], "
+                f"feedback latency {r['latency']:.2f}x "
+                f"[{r['latency_ci95'][0]:.2f}, {r['latency_ci95'][1]:.2f}]"
+            )
+        for row in report.get("kv_tier", []):
+            t.notes.append(
+                f"KV tier, {row['replicas']} serving replicas, {row['fork_routing']} routing: prefill "
+                f"{row['prefill_s_tier']:.0f} s with the tier vs {row['prefill_s_no_tier']:.0f} s without "
+                f"per run "
+                f"({row['forks_off_replica']:.0f} forks off their stream's replica); e2e {row['e2e']:.2f}x "
+                f"[{row['e2e_ci95'][0]:.2f}, {row['e2e_ci95'][1]:.2f}]"
             )
         t.notes.append("simulated services; assumptions in docs/kernels.md")
     elif "feedback_per_min_ratio" in report:

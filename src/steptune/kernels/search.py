@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -89,6 +90,9 @@ class SearchReport:
     feedback_count: int
     """Profiling results delivered (the feedback SpecGen multiplies)."""
     validated: int
+    feedback_latency_s: float | None
+    """Median seconds from a profiled candidate's creation to its profiling result (what priority shortens;
+    None when nothing was profiled)."""
     eval_utilization: float
     best_speedup: float | None
     tokens: dict[str, int]
@@ -407,6 +411,7 @@ class Search:
             stop_reason = str(self.budget.exhausted(now()))
         elapsed = self._t()
         busy = self.ev.busy_seconds()
+        latencies = [f.at_s - f.candidate.created_s for f in self.feedback if f.profiled]
         self.done.set()
         await _cancel(helpers)
         await _cancel(self.eval_tasks)
@@ -416,6 +421,7 @@ class Search:
             e2e_time_s=self.e2e,
             feedback_count=sum(1 for f in self.feedback if f.profiled),
             validated=self.validated,
+            feedback_latency_s=statistics.median(latencies) if latencies else None,
             eval_utilization=busy / max(1e-9, self.ev.num_workers * elapsed),
             best_speedup=self.best,
             tokens=dict(self.tokens),

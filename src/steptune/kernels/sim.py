@@ -9,6 +9,11 @@ What is modelled (each number is a field of `SimConfig` or `QualityConfig`, writ
   fenced code drafts) of lognormal length, decoded at `decode_tps` per stream (the serving engine is assumed
   not saturated: concurrent streams do not slow each other); its prefill is charged through the KV tier;
 - a fork pays prefill of prompt + reasoning prefix through the KV tier, then decodes `fork_tokens`;
+- serving replicas (`replicas`, default 1): each has its own prefix cache (`KVTier.replica()`; the remote
+  tier is shared); a reasoning stream goes to the least-loaded replica, a fork to the least-loaded one
+  (`fork_routing="load"`) or to its stream's (`"prefix"`), and a fork away from its stream's replica finds
+  the prefix only in the shared tier or prefills it. The prefill's time delays the fork; it is not charged
+  to the other streams on that replica (no decode interference is modelled);
 - candidate quality (synthetic): valid with a probability rising with the progress of the reasoning it came
   from; log-speedup normal, its mean rising with the search's profiled feedback count (the premise of
   feedback-driven agents) and lower for early forks; past a per-trace "settle" point every fork returns the
@@ -26,6 +31,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from steptune.kernels.agent import Candidate, Delta, EvalOutcome, Prompt
 from steptune.kernels.kvtier import KVTier
@@ -64,6 +70,19 @@ class SimConfig:
     """Concurrent validations one validation GPU runs (validation can share a GPU, profiling cannot)."""
     timing_noise: float = 0.02
     """Relative noise of a measured speedup."""
+    replicas: int = 1
+    """Serving replicas (data-parallel engines), each with its own prefix cache; the KV tier's remote part
+    is shared by all of them."""
+    fork_routing: str = "load"
+    """With several replicas, where a fork goes: "load", the replica with the fewest running streams (ties:
+    its reasoning stream's replica), as a load-balancing router (vLLM's data-parallel balancer, round robin,
+    least requests) does; "prefix", always its reasoning stream's replica, as a cache-aware router does."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas={self.replicas}: pass 1 or more serving replicas")
+        if self.fork_routing not in ("load", "prefix"):
+            raise ValueError(f"fork_routing={self.fork_routing!r}: choose 'load' or 'prefix'")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,11 +135,13 @@ class _Plan:
     final: str
     knowledge: int
     prompt_tokens: int
+    replica: int
 
 
 class _SimGeneration:
-    def __init__(self, events: list[Delta], times: list[float], delay_s: float) -> None:
+    def __init__(self, events: list[Delta], times: list[float], delay_s: float, on_end: Any = None) -> None:
         self._events, self._times, self._delay = events, times, delay_s
+        self._on_end = on_end
         self.reasoning = ""
         self.content = ""
         self.tokens = 0
@@ -139,6 +160,7 @@ class _SimGeneration:
             self._start = loop.time() + self._delay
         if self._closed or self._next >= len(self._events):
             self._finished = self._finished or not self._closed
+            self._end()
             raise StopAsyncIteration
         ev, t = self._events[self._next], self._times[self._next]
         wait = self._start + t - loop.time()
@@ -154,12 +176,20 @@ class _SimGeneration:
         self.tokens += ev.tokens
         if self._next == len(self._events):
             self._finished = True
+            self._end()
         return ev
+
+    def _end(self) -> None:
+        """The request leaves its replica (finished or aborted): once."""
+        if self._on_end is not None:
+            self._on_end()
+            self._on_end = None
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
             self.aborted = not self._finished
+        self._end()
 
 
 class SimLLM:
@@ -172,6 +202,33 @@ class SimLLM:
         self.q = quality or QualityConfig()
         self.plans: dict[str, _Plan] = {}
         self.prefill_s = 0.0
+        self.tiers: list[KVTier] = [kv]
+        for _ in range(self.cfg.replicas - 1):
+            replica = getattr(kv, "replica", None)
+            if replica is None:
+                raise ValueError(
+                    f"replicas={self.cfg.replicas}: the KV tier {type(kv).__name__} has no replica()"
+                )
+            self.tiers.append(replica())
+        self.load = [0] * self.cfg.replicas
+        """Running streams per replica (what a load-balancing router sees)."""
+        self.forks_off_replica = 0
+        """Forks routed to a replica other than their reasoning stream's."""
+
+    def _admit(self, replica: int) -> Any:
+        self.load[replica] += 1
+
+        def leave() -> None:
+            self.load[replica] -= 1
+
+        return leave
+
+    def _route(self, home: int | None) -> int:
+        """The least-loaded replica; ties go to `home` (the reasoning stream's replica), then the lowest."""
+        low = min(self.load)
+        if home is not None and self.load[home] == low:
+            return home
+        return self.load.index(low)
 
     def _quality(self, knowledge: int, progress: float) -> tuple[bool, float]:
         q = self.q
@@ -194,8 +251,9 @@ class SimLLM:
         drafts = [sim_code(*self._quality(knowledge, f)) for f in fracs]
         final = sim_code(*self._quality(knowledge, 1.0))
         ptoks = self._prompt_tokens(prompt)
+        replica = self._route(None)
         self.plans[stream_id] = _Plan(
-            tokens, self.rng.uniform(self.q.settle_lo, self.q.settle_hi), final, knowledge, ptoks
+            tokens, self.rng.uniform(self.q.settle_lo, self.q.settle_hi), final, knowledge, ptoks, replica
         )
         trace = synth_trace(
             self.rng.randrange(2**31),
@@ -210,18 +268,21 @@ class SimLLM:
         # Consecutive prompts share their beginning (instructions, problem, older feedback): one prefix id,
         # so a new iteration prefills only what its cached predecessor lacks.
         shared = f"{prompt.problem}/prompt"
-        prefill = self.kv.lookup(shared, ptoks, now)
-        self.kv.put(shared, ptoks, now)
-        self.kv.put(stream_id, ptoks, now)
+        kv = self.tiers[replica]
+        prefill = kv.lookup(shared, ptoks, now)
+        kv.put(shared, ptoks, now)
+        kv.put(stream_id, ptoks, now)
         self.prefill_s += prefill
         events = [Delta(e.kind, e.text, len(split_tokens(e.text))) for e in trace.events]
-        return _SimGeneration(events, [e.t for e in trace.events], cfg.ttft_s + prefill)
+        times = [e.t for e in trace.events]
+        return _SimGeneration(events, times, cfg.ttft_s + prefill, self._admit(replica))
 
     def record_progress(self, stream_id: str, reasoning_tokens: int) -> None:
         """The main stream's KV blocks grow as it decodes (the orchestrator reports progress)."""
         plan = self.plans.get(stream_id)
         if plan is not None:
-            self.kv.put(stream_id, plan.prompt_tokens + reasoning_tokens, asyncio.get_running_loop().time())
+            now = asyncio.get_running_loop().time()
+            self.tiers[plan.replica].put(stream_id, plan.prompt_tokens + reasoning_tokens, now)
 
     async def fork(
         self, prompt: Prompt, stream_id: str, reasoning_prefix: str, prefix_tokens: int
@@ -231,7 +292,9 @@ class SimLLM:
         progress = min(1.0, prefix_tokens / max(1, plan.tokens))
         code = plan.final if progress >= plan.settle else sim_code(*self._quality(plan.knowledge, progress))
         now = asyncio.get_running_loop().time()
-        prefill = self.kv.lookup(stream_id, plan.prompt_tokens + prefix_tokens, now)
+        replica = plan.replica if cfg.fork_routing == "prefix" else self._route(plan.replica)
+        self.forks_off_replica += replica != plan.replica
+        prefill = self.tiers[replica].lookup(stream_id, plan.prompt_tokens + prefix_tokens, now)
         self.prefill_s += prefill
         text = code + "```\n"
         n = max(1, math.ceil(cfg.fork_tokens / cfg.chunk_tokens))
@@ -241,7 +304,8 @@ class SimLLM:
         toks[-1] += cfg.fork_tokens - sum(toks)
         dt = cfg.fork_tokens / cfg.decode_tps / len(pieces)
         events = [Delta("content", p, k) for p, k in zip(pieces, toks, strict=True)]
-        return _SimGeneration(events, [dt * (i + 1) for i in range(len(pieces))], cfg.ttft_s + prefill)
+        times = [dt * (i + 1) for i in range(len(pieces))]
+        return _SimGeneration(events, times, cfg.ttft_s + prefill, self._admit(replica))
 
 
 def _poisson(rng: random.Random, lam: float) -> int:

@@ -87,6 +87,24 @@ def test_remote_hits_are_cheaper_than_prefill_but_not_free():
     assert s.prefill_s_saved == pytest.approx(2 * COST.prefill_s(30_000) - seconds)
 
 
+def test_replicas_share_the_remote_tier_only_with_write_through():
+    # data-parallel replicas do not share engine caches: a fork on another replica finds its stream's prefix
+    # only in a shared tier that the first replica wrote through to as it computed
+    a = SimTier(100_000, local_capacity_tokens=50_000, write_through=True)
+    b = a.replica()
+    a.put("main", 20_000, 0.0)
+    assert (a.resident("main"), b.resident("main"), b.remote_resident("main")) == (20_000, 0, 20_000)
+    assert b.lookup("main", 12_000, 1.0) == pytest.approx(COST.transfer_s(12_000))
+    assert b.resident("main") == 12_000 and b.lookup("main", 12_000, 2.0) == 0.0
+    lazy = SimTier(100_000, local_capacity_tokens=50_000)  # write-back on eviction only
+    lazy.put("main", 20_000, 0.0)
+    assert lazy.replica().lookup("main", 12_000, 1.0) == pytest.approx(COST.prefill_s(12_000))
+    none = NullTier(50_000)
+    none.put("main", 20_000, 0.0)
+    assert isinstance(none.replica(), NullTier)
+    assert none.replica().lookup("main", 12_000, 1.0) == pytest.approx(COST.prefill_s(12_000))
+
+
 def test_remote_segments_combine_with_local_and_prefill():
     tier = SimTier(100_000, local_capacity_tokens=10_000)
     tier.put("main", 8_000, 0.0)
