@@ -7,7 +7,7 @@ import pytest
 
 from steptune.kernels.clock import VirtualTimeLoop, now, run
 from steptune.kernels.kvtier import SimTier
-from steptune.kernels.lanes import run_sim_lane, sim_run
+from steptune.kernels.lanes import kv_tier_study, lane_table, run_sim_lane, sim_run
 from steptune.kernels.search import Search, SearchConfig
 from steptune.kernels.sim import SimConfig, SimEval, SimLLM, sim_code, sim_quality
 from steptune.kernels.termination import Budget
@@ -115,3 +115,8 @@ def test_forks_on_other_replicas_prefill_without_the_kv_tier():
     assert cache_aware["forks_off_replica"] == 0 and cache_aware["prefill_s"] < 5.0
     with pytest.raises(ValueError, match="fork_routing='nearest'"):
         SimConfig(fork_routing="nearest")
+    rows = kv_tier_study(seeds=1, deployments=((2, "load"),), workers=1, wall_s=1800)
+    assert rows[0]["prefill_s_no_tier"] == pytest.approx(none["prefill_s"]) and rows[0]["replicas"] == 2
+    rep = run_sim_lane(seeds=1, variants=("specgen",), workers=1, wall_s=600)
+    rep["kv_tier"] = rows
+    assert any("2 serving replicas, load routing" in n for n in lane_table(rep).notes)
