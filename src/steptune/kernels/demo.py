@@ -97,7 +97,8 @@ async def _iteration(pool: EvalPool, out_dir: Path) -> list[dict[str, Any]]:
 
 def run_kernels_demo(out_dir: Path, *, quick: bool = False) -> DemoResult:
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = PoolConfig(num_workers=2, timeout_s=10, memory_bytes=2**30)
+    # the infinite loop holds a worker until the timeout; --quick (the tests) waits less for it
+    cfg = PoolConfig(num_workers=2, timeout_s=5 if quick else 10, memory_bytes=2**30)
     with EvalPool(cfg) as pool:
         llm_rows = asyncio.run(_iteration(pool, out_dir))
         adv_futs = []
