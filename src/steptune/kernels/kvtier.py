@@ -232,9 +232,10 @@ class NullTier(LocalCache):
 class SimTier(LocalCache):
     """The serving engine's cache in front of a remote tier in spare evaluation-GPU memory, both LRU.
     Local hit: 0 s. Remote hit: `setup_s` + bytes / link, and the blocks are copied back into the local cache
-    (the remote keeps its copy). Miss: prefill. Streams evicted locally are written back to the remote tier,
-    which drops its own LRU streams when full; with remote capacity 0 this is exactly `NullTier`.
-    A remote segment is fetched only when that beats prefilling it (tiny tails cost more in setup_s)."""
+    (the remote keeps its copy). Miss: prefill. Streams evicted locally are written back to the remote tier
+    (with `write_through`, every put is stored there at once), which drops its own LRU streams when full;
+    with remote capacity 0 this is exactly `NullTier`. A remote segment is fetched only when that beats
+    prefilling it (tiny tails cost more in setup_s)."""
 
     def __init__(
         self,

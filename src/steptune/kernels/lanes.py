@@ -77,9 +77,14 @@ def sim_run(
     cost = KVCostModel() if prefill_tps is None else KVCostModel(prefill_tps=prefill_tps)
     local = DEFAULT_LOCAL_CAPACITY_TOKENS if local_kv_tokens is None else local_kv_tokens
     if kv_on:
-        # prefixes are stored as the engine computes them, so a fork on another serving replica can fetch them
+        # with several serving replicas, prefixes are stored as the engines compute them, so a fork on another
+        # replica can fetch them; with one, only evictions go to the tier (write-through would only fill it)
         kv: KVTier = SimTier.from_eval_gpus(
-            eval_gpus, spare_gib_per_gpu, cost, local_capacity_tokens=local, write_through=True
+            eval_gpus,
+            spare_gib_per_gpu,
+            cost,
+            local_capacity_tokens=local,
+            write_through=(sim or SimConfig()).replicas > 1,
         )
     else:
         kv = NullTier(local, cost)
@@ -93,7 +98,11 @@ def sim_run(
     )
     report = run(Search(llm, ev, cfg).run(), virtual=True).to_json()
     report.update(
-        variant=variant, seed=seed, prefill_s=llm.prefill_s, forks_off_replica=llm.forks_off_replica
+        variant=variant,
+        seed=seed,
+        prefill_s=llm.prefill_s,
+        forks_off_replica=llm.forks_off_replica,
+        fork_start_s=statistics.fmean(llm.fork_start_s) if llm.fork_start_s else None,
     )
     return report
 
@@ -163,7 +172,11 @@ def run_sim_lane(
             "prefill_s": [r["prefill_s"] for r in rs],
             "feedback_latency_s": [_latency(r, wall) for r in rs],
         }
-        policies[name] = {"censored": sum(r["e2e_time_s"] is None for r in rs)}
+        policies[name] = {
+            "censored": sum(r["e2e_time_s"] is None for r in rs),
+            "latency_censored": sum(r["feedback_latency_s"] is None for r in rs),  # nothing correct: the wall
+            "unprofiled_at_end": statistics.median(float(r["unprofiled_at_end"]) for r in rs),
+        }
         for key, values in metrics.items():  # the median under the metric's name, its interval beside it
             summary = _summary(values, rng)
             policies[name][key] = summary["median"]
@@ -227,8 +240,8 @@ def kv_tier_study(
 ) -> list[dict[str, Any]]:
     """SpecGen with and without the KV tier on replicated serving (SIMULATED): what a fork routed away from
     its reasoning stream's replica pays when the prefix is not in a shared tier. Per deployment: median
-    prefill seconds of a run with and without the tier, forks sent off-replica, and the paired e2e and
-    feedback ratios."""
+    prefill seconds of a run with and without the tier, forks sent off-replica, the mean delay before a
+    fork's first token, and the paired e2e and feedback ratios."""
     rows = []
     for replicas, routing in deployments:
         if progress:
@@ -241,6 +254,12 @@ def kv_tier_study(
             **{**kw, "sim": sim},
         )
         off = [float(r["forks_off_replica"]) for r in rep["runs"] if r["variant"] == "specgen"]
+        starts: dict[str, float | None] = {}
+        for v in ("specgen", "specgen-no-kv-tier"):
+            xs = [
+                r["fork_start_s"] for r in rep["runs"] if r["variant"] == v and r["fork_start_s"] is not None
+            ]
+            starts[v] = statistics.median(xs) if xs else None  # None: no run forked
         tier, none = rep["policies"]["specgen"], rep["policies"]["specgen-no-kv-tier"]
         ratio = rep["ratios"]["specgen-no-kv-tier"]
         rows.append({
@@ -248,6 +267,7 @@ def kv_tier_study(
             "prefill_s_tier": tier["prefill_s"], "prefill_s_tier_ci95": tier["prefill_s_ci95"],
             "prefill_s_no_tier": none["prefill_s"], "prefill_s_no_tier_ci95": none["prefill_s_ci95"],
             "forks_off_replica": statistics.median(off),
+            "fork_start_s_tier": starts["specgen"], "fork_start_s_no_tier": starts["specgen-no-kv-tier"],
             "e2e": ratio["e2e"], "e2e_ci95": ratio["e2e_ci95"],
             "feedback": ratio["feedback"], "feedback_ci95": ratio["feedback_ci95"],
         })  # fmt: skip
@@ -386,6 +406,10 @@ def run_cpu_lane(
     return out
 
 
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f} s"
+
+
 def lane_table(report: dict[str, Any]) -> Any:
     """The policy comparison of a lane report as a table (ratios with CIs in its notes)."""
     from steptune.core.report import Table
@@ -415,7 +439,15 @@ def lane_table(report: dict[str, Any]) -> Any:
             fb = f"{p['feedback_count']} ({p['feedback_per_min']:.1f}/min)"
             toks = f"{sum(p['tokens'].values()) / 1e3:.1f}k"
             lat = p.get("feedback_latency_s")
-            t.add(name, "-", fb, f"{p['eval_utilization']:.1%}", best, toks, f"{lat:.1f} s" if lat else "-")
+            t.add(
+                name,
+                "-",
+                fb,
+                f"{p['eval_utilization']:.1%}",
+                best,
+                toks,
+                "-" if lat is None else f"{lat:.1f} s",
+            )
     if sim:
         for name, r in report["ratios"].items():
             t.notes.append(
@@ -428,9 +460,10 @@ def lane_table(report: dict[str, Any]) -> Any:
             t.notes.append(
                 f"KV tier, {row['replicas']} serving replicas, {row['fork_routing']} routing: prefill "
                 f"{row['prefill_s_tier']:.0f} s with the tier vs {row['prefill_s_no_tier']:.0f} s without "
-                f"per run "
-                f"({row['forks_off_replica']:.0f} forks off their stream's replica); e2e {row['e2e']:.2f}x "
-                f"[{row['e2e_ci95'][0]:.2f}, {row['e2e_ci95'][1]:.2f}]"
+                f"per run ({row['forks_off_replica']:.0f} forks off their stream's replica; a fork's first "
+                f"token after {_s(row.get('fork_start_s_tier'))} vs {_s(row.get('fork_start_s_no_tier'))}, "
+                "mean per run); "
+                f"e2e {row['e2e']:.2f}x [{row['e2e_ci95'][0]:.2f}, {row['e2e_ci95'][1]:.2f}]"
             )
         t.notes.append("simulated services; assumptions in docs/kernels.md")
     elif "feedback_per_min_ratio" in report:

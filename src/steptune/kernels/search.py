@@ -91,8 +91,11 @@ class SearchReport:
     """Profiling results delivered (the feedback SpecGen multiplies)."""
     validated: int
     feedback_latency_s: float | None
-    """Median seconds from a profiled candidate's creation to its profiling result (what priority shortens;
-    None when nothing was profiled)."""
+    """Median seconds from a correct candidate's creation to its profiling result (what priority shortens);
+    candidates still waiting at the end count at their age (censored: a lower bound). None: no candidate
+    passed validation."""
+    unprofiled_at_end: int
+    """Correct candidates still queued or running for profiling when the search ended."""
     eval_utilization: float
     best_speedup: float | None
     tokens: dict[str, int]
@@ -137,6 +140,8 @@ class Search:
         self.done = asyncio.Event()
         self.cur: _Iteration | None = None
         self.eval_tasks: set[asyncio.Task[Any]] = set()
+        self.awaiting_profile: dict[str, Candidate] = {}
+        """Correct candidates queued or running for profiling (their latency is censored at the end)."""
 
     # -- shared machinery --
     def _t(self) -> float:
@@ -183,7 +188,9 @@ class Search:
             self.feedback.append(fb)
             return fb
         self.alloc.observe_arrival("profile", now())
+        self.awaiting_profile[cand.key] = cand
         p = await self.ev.submit(cand, "profile", prio)
+        del self.awaiting_profile[cand.key]
         self.alloc.observe_service("profile", p.service_s / self._slots("profile"), now())
         fb = Feedback(cand, p.verdict, p.speedup, p.reason, self._t(), profiled=True)
         self.feedback.append(fb)
@@ -412,6 +419,9 @@ class Search:
         elapsed = self._t()
         busy = self.ev.busy_seconds()
         latencies = [f.at_s - f.candidate.created_s for f in self.feedback if f.profiled]
+        # Correct candidates still waiting for profiling count at their age: a lower bound on their latency,
+        # so a policy that starves old candidates (newest first) cannot hide them from the median.
+        latencies += [elapsed - c.created_s for c in self.awaiting_profile.values()]
         self.done.set()
         await _cancel(helpers)
         await _cancel(self.eval_tasks)
@@ -422,6 +432,7 @@ class Search:
             feedback_count=sum(1 for f in self.feedback if f.profiled),
             validated=self.validated,
             feedback_latency_s=statistics.median(latencies) if latencies else None,
+            unprofiled_at_end=len(self.awaiting_profile),
             eval_utilization=busy / max(1e-9, self.ev.num_workers * elapsed),
             best_speedup=self.best,
             tokens=dict(self.tokens),

@@ -214,6 +214,8 @@ class SimLLM:
         """Running streams per replica (what a load-balancing router sees)."""
         self.forks_off_replica = 0
         """Forks routed to a replica other than their reasoning stream's."""
+        self.fork_start_s: list[float] = []
+        """Each fork's delay before its first token: scheduling plus its prefix's prefill or fetch."""
 
     def _admit(self, replica: int) -> Any:
         self.load[replica] += 1
@@ -296,6 +298,7 @@ class SimLLM:
         self.forks_off_replica += replica != plan.replica
         prefill = self.tiers[replica].lookup(stream_id, plan.prompt_tokens + prefix_tokens, now)
         self.prefill_s += prefill
+        self.fork_start_s.append(cfg.ttft_s + prefill)
         text = code + "```\n"
         n = max(1, math.ceil(cfg.fork_tokens / cfg.chunk_tokens))
         per = len(text) // n + 1

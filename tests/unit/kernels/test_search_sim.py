@@ -99,6 +99,8 @@ def test_priority_shortens_profiling_feedback_latency():
         assert lat["specgen-no-priority", seed] > 1.3 * lat["specgen", seed]
     r = rep["ratios"]["specgen-no-priority"]
     assert r["latency_ci95"][0] <= r["latency"] <= r["latency_ci95"][1] and r["latency"] > 1.3
+    # newest-first starves some old candidates: they stay in the median at their age, and are counted
+    assert all(x["unprofiled_at_end"] > 0 for x in rep["runs"] if x["variant"] == "specgen")
 
 
 def test_forks_on_other_replicas_prefill_without_the_kv_tier():
@@ -107,12 +109,18 @@ def test_forks_on_other_replicas_prefill_without_the_kv_tier():
     none = sim_run("specgen-no-kv-tier", 0, wall_s=1800, sim=two)
     assert tier["forks_off_replica"] > 10 and none["forks_off_replica"] > 10
     assert none["prefill_s"] > 20 * max(tier["prefill_s"], 1.0)
+    assert none["fork_start_s"] > tier["fork_start_s"] + 0.2  # ~0.9 s of prefill per fork routed away
     one = sim_run("specgen-no-kv-tier", 0, wall_s=1800)  # one replica: every fork finds its prefix resident
     assert one["forks_off_replica"] == 0 and one["prefill_s"] < 5.0
     cache_aware = sim_run(
         "specgen-no-kv-tier", 0, wall_s=1800, sim=SimConfig(replicas=2, fork_routing="prefix")
     )
     assert cache_aware["forks_off_replica"] == 0 and cache_aware["prefill_s"] < 5.0
+    llm = SimLLM(random.Random(1), SimTier(10_000, write_through=True), SimConfig(replicas=3))
+    run(
+        Search(llm, SimEval(4, random.Random(2)), SearchConfig(budget=Budget(wall_s=900))).run(), virtual=True
+    )
+    assert llm.forks_off_replica > 0 and llm.load == [0, 0, 0]  # every stream left its replica
     with pytest.raises(ValueError, match="fork_routing='nearest'"):
         SimConfig(fork_routing="nearest")
     rows = kv_tier_study(seeds=1, deployments=((2, "load"),), workers=1, wall_s=1800)
