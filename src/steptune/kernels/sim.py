@@ -79,7 +79,7 @@ class SimConfig:
     least requests) does; "prefix", always its reasoning stream's replica, as a cache-aware router does."""
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
+        if not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"replicas={self.replicas}: pass 1 or more serving replicas")
         if self.fork_routing not in ("load", "prefix"):
             raise ValueError(f"fork_routing={self.fork_routing!r}: choose 'load' or 'prefix'")
