@@ -104,54 +104,61 @@ def list_schedule(
         t = done_b.get((s + 1, m))
         return None if t is None else max(t_f, t + comm(s, s + 1, s))
 
-    while remaining:
-        best: tuple[float, int, Action, float] | None = None  # (start, priority, action, duration)
-        for d in range(num_dev):
-            free = dev_free[d]
-            cands: list[tuple[float, int, Action, float]] = []
-            for s in stages_on[d]:
-                tb = b_ready(s)
-                if tb is not None:
-                    kind = ActionKind.I if policy.split_backward else ActionKind.B
-                    dur = costs.i[s] + (0.0 if policy.split_backward else costs.w[s])
-                    # older microbatches and later stages first: they unblock the most work upstream
+    def device_first(d: int) -> tuple[float, int, Action, float] | None:
+        """The action device ``d`` would run next, as (start, priority, action, duration)."""
+        free = dev_free[d]
+        cands: list[tuple[float, int, Action, float]] = []
+        for s in stages_on[d]:
+            tb = b_ready(s)
+            if tb is not None:
+                kind = ActionKind.I if policy.split_backward else ActionKind.B
+                dur = costs.i[s] + (0.0 if policy.split_backward else costs.w[s])
+                # older microbatches and later stages first: they unblock the most work upstream
+                cands.append(
+                    (
+                        max(free, tb),
+                        (1 if policy.f_first(s) else 0) * 4,
+                        Action(s, kind, next_b[s]),
+                        dur,
+                    )
+                )
+            tf = f_ready(s)
+            if tf is not None and inflight_fi[s] < limit_fi[s] and inflight[s] < limit_fw[s]:
+                fits = cap is None or mem[d] + costs.act_bytes[s] <= cap
+                if fits:
                     cands.append(
                         (
-                            max(free, tb),
-                            (1 if policy.f_first(s) else 0) * 4,
-                            Action(s, kind, next_b[s]),
-                            dur,
+                            max(free, tf),
+                            (0 if policy.f_first(s) else 1) * 4 + 1,
+                            Action(s, ActionKind.F, next_f[s]),
+                            costs.f[s],
                         )
                     )
-                tf = f_ready(s)
-                if tf is not None and inflight_fi[s] < limit_fi[s] and inflight[s] < limit_fw[s]:
-                    fits = cap is None or mem[d] + costs.act_bytes[s] <= cap
-                    if fits:
-                        cands.append(
-                            (
-                                max(free, tf),
-                                (0 if policy.f_first(s) else 1) * 4 + 1,
-                                Action(s, ActionKind.F, next_f[s]),
-                                costs.f[s],
-                            )
-                        )
-                if pending_w[s]:
-                    cands.append((free, 8, Action(s, ActionKind.W, pending_w[s][0]), costs.w[s]))
-            if not cands:
-                continue
-            # A W only runs if nothing else could start no later than it would finish.
-            cands.sort(key=lambda c: (c[0], c[1], -c[2].stage, c[2].microbatch))
-            first = cands[0]
-            non_w = [c for c in cands if c[2].kind is not ActionKind.W]
-            if first[2].kind is ActionKind.W and non_w:
-                earliest = min(non_w, key=lambda c: (c[0], c[1]))
-                if earliest[0] <= first[0]:
-                    first = earliest
-            elif non_w and first[2].kind is not ActionKind.W:
-                # among actions that can start at the same time, use the priority
-                same = [c for c in cands if c[0] <= first[0] + 1e-12]
-                first = min(same, key=lambda c: (c[1], -c[2].stage, c[2].microbatch))
-            if best is None or (first[0], d) < (best[0], placement[best[2].stage]):
+            if pending_w[s]:
+                cands.append((free, 8, Action(s, ActionKind.W, pending_w[s][0]), costs.w[s]))
+        if not cands:
+            return None
+        # A W only runs if nothing else could start no later than it would finish.
+        cands.sort(key=lambda c: (c[0], c[1], -c[2].stage, c[2].microbatch))
+        first = cands[0]
+        non_w = [c for c in cands if c[2].kind is not ActionKind.W]
+        if first[2].kind is ActionKind.W and non_w:
+            earliest = min(non_w, key=lambda c: (c[0], c[1]))
+            if earliest[0] <= first[0]:
+                first = earliest
+        elif non_w and first[2].kind is not ActionKind.W:
+            # among actions that can start at the same time, use the priority
+            same = [c for c in cands if c[0] <= first[0] + 1e-12]
+            first = min(same, key=lambda c: (c[1], -c[2].stage, c[2].microbatch))
+        return first
+
+    # A device's next action depends only on its own clock and memory, its stages' state and the
+    # neighbouring stages' completions, so after each action only three devices need a new look.
+    firsts = [device_first(d) for d in range(num_dev)]
+    while remaining:
+        best: tuple[float, int, Action, float] | None = None  # (start, priority, action, duration)
+        for d, first in enumerate(firsts):
+            if first is not None and (best is None or (first[0], d) < (best[0], placement[best[2].stage])):
                 best = first
         if best is None:
             # Only reachable when the memory cap blocks every forward and nothing can free memory.
@@ -185,6 +192,8 @@ def list_schedule(
                 pending_w[s].pop(0)
             inflight[s] -= 1
             mem[d] -= costs.act_bytes[s]
+        for dd in {d, placement[s - 1] if s > 0 else d, placement[s + 1] if s < last else d}:
+            firsts[dd] = device_first(dd)
     return Schedule(
         name=name or policy.label(),
         num_stages=num_stages,
