@@ -112,6 +112,10 @@ class KVTier(Protocol):
         """Record that the first `tokens` tokens of `prefix_id` have been computed on the serving GPUs."""
         ...
 
+    def replica(self) -> KVTier:
+        """The tier as another data-parallel serving replica sees it (its own engine cache)."""
+        ...
+
 
 class _Lru:
     """Longest resident length per stream, least recently used first, at most `capacity` tokens in all."""
@@ -181,8 +185,8 @@ class LocalCache:
         return self._local.capacity
 
     def replica(self) -> LocalCache:
-        """Another serving replica's cache: same capacity and costs, empty, nothing shared."""
-        return LocalCache(self.capacity_tokens, self.cost)
+        """Another serving replica's cache: same kind, capacity and costs, empty, nothing shared."""
+        return type(self)(self.capacity_tokens, self.cost)
 
     def resident(self, prefix_id: str) -> int:
         """Tokens of `prefix_id` in the serving engine's cache (does not refresh its LRU position)."""
@@ -224,9 +228,6 @@ class LocalCache:
 
 class NullTier(LocalCache):
     """The "no KV tier" ablation: the serving engine's prefix cache and nothing behind it."""
-
-    def replica(self) -> NullTier:
-        return NullTier(self.capacity_tokens, self.cost)
 
 
 class SimTier(LocalCache):

@@ -30,8 +30,8 @@ import heapq
 import itertools
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from steptune.kernels.agent import Candidate, Delta, EvalOutcome, Prompt
 from steptune.kernels.kvtier import KVTier
@@ -139,7 +139,8 @@ class _Plan:
 
 
 class _SimGeneration:
-    def __init__(self, events: list[Delta], times: list[float], delay_s: float, on_end: Any = None) -> None:
+    def __init__(self, events: list[Delta], times: list[float], delay_s: float,
+                 on_end: Callable[[], None] | None = None) -> None:  # fmt: skip
         self._events, self._times, self._delay = events, times, delay_s
         self._on_end = on_end
         self.reasoning = ""
@@ -202,14 +203,7 @@ class SimLLM:
         self.q = quality or QualityConfig()
         self.plans: dict[str, _Plan] = {}
         self.prefill_s = 0.0
-        self.tiers: list[KVTier] = [kv]
-        for _ in range(self.cfg.replicas - 1):
-            replica = getattr(kv, "replica", None)
-            if replica is None:
-                raise ValueError(
-                    f"replicas={self.cfg.replicas}: the KV tier {type(kv).__name__} has no replica()"
-                )
-            self.tiers.append(replica())
+        self.tiers: list[KVTier] = [kv] + [kv.replica() for _ in range(self.cfg.replicas - 1)]
         self.load = [0] * self.cfg.replicas
         """Running streams per replica (what a load-balancing router sees)."""
         self.forks_off_replica = 0
@@ -217,7 +211,7 @@ class SimLLM:
         self.fork_start_s: list[float] = []
         """Each fork's delay before its first token: scheduling plus its prefix's prefill or fetch."""
 
-    def _admit(self, replica: int) -> Any:
+    def _admit(self, replica: int) -> Callable[[], None]:
         self.load[replica] += 1
 
         def leave() -> None:

@@ -156,16 +156,16 @@ def list_schedule(
     # neighbouring stages' completions, so after each action only three devices need a new look.
     firsts = [device_first(d) for d in range(num_dev)]
     while remaining:
-        best: tuple[float, int, Action, float] | None = None  # (start, priority, action, duration)
-        for d, first in enumerate(firsts):
-            if first is not None and (best is None or (first[0], d) < (best[0], placement[best[2].stage])):
-                best = first
-        if best is None:
+        # the earliest start, ties to the lowest device
+        pick = min(((f[0], d) for d, f in enumerate(firsts) if f is not None), default=None)
+        if pick is None:
             # Only reachable when the memory cap blocks every forward and nothing can free memory.
             raise ValueError(
                 f"memory cap {cap:.3g} B is too small for this partition: a forward cannot fit even "
                 f"with every weight gradient done; raise the cap or use more stages"
             )
+        best = firsts[pick[1]]
+        assert best is not None
         t0, _, a, dur = best
         d = placement[a.stage]
         dev_free[d] = t0 + dur + costs.overhead
