@@ -15,6 +15,7 @@ A cyclic or otherwise impossible order raises ``ScheduleError`` naming what each
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from steptune.core.trace import Span, Trace
 from steptune.pipeline.costs import StageCosts
 from steptune.pipeline.schedule import Action, ActionKind, Schedule, ScheduleError
 
-__all__ = ["Bubble", "SimResult", "simulate"]
+__all__ = ["Bubble", "Program", "SimResult", "makespan", "program", "simulate"]
 
 _EPS = 1e-12
 
@@ -76,17 +77,6 @@ class SimResult:
         return t
 
 
-def _duration(costs: StageCosts, a: Action) -> float:
-    s = a.stage
-    base = {
-        ActionKind.F: costs.f[s],
-        ActionKind.I: costs.i[s],
-        ActionKind.W: costs.w[s],
-        ActionKind.B: costs.i[s] + costs.w[s],
-    }[a.kind]
-    return base + costs.overhead
-
-
 def _cycle(waits_on: dict[int, tuple[Action, Action]], place: tuple[int, ...]) -> str:
     """Follow "device waits for an action on device ..." until a device repeats: the cycle."""
     if not waits_on:
@@ -103,6 +93,167 @@ def _cycle(waits_on: dict[int, tuple[Action, Action]], place: tuple[int, ...]) -
     return "stuck: " + " -> ".join(path)
 
 
+_KIND_CODE = {ActionKind.F: 0, ActionKind.I: 1, ActionKind.W: 2, ActionKind.B: 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """What every simulation of one schedule shares, whatever the costs: its actions in an order that
+    follows each device's sequence and every dependency (the sweep's order), with dependencies and
+    sends as indices. ``program(schedule)`` builds it once per schedule object."""
+
+    actions: tuple[Action, ...]
+    device: tuple[int, ...]
+    local_deps: tuple[tuple[int, ...], ...]
+    """Producers on the same device: ready at their end."""
+    remote_deps: tuple[tuple[int, ...], ...]
+    """Producers on another device: ready when their output has arrived here."""
+    channel: tuple[int, ...]
+    """Index of the (device, consumer device) FIFO channel the output goes on; -1: it stays here."""
+    comm_stage: tuple[int, ...]
+    """Stage whose ``comm_time`` prices that send."""
+    key: tuple[tuple[int, int], ...]
+    """(stage, kind code) of each action, for per-stage cost lookups."""
+    channel_dst: tuple[int, ...]
+    """Consumer device of each channel."""
+
+
+def _compile(schedule: Schedule) -> Program:
+    place = schedule.placement
+    last = schedule.num_stages - 1
+    split = {(a.stage, a.microbatch) for order in schedule.orders for a in order if a.kind is ActionKind.I}
+
+    def deps(a: Action) -> list[Action]:
+        s, m = a.stage, a.microbatch
+        if a.kind is ActionKind.F:
+            return [Action(s - 1, ActionKind.F, m)] if s > 0 else []
+        if a.kind is ActionKind.W:
+            return [Action(s, ActionKind.I, m)]
+        own = Action(s, ActionKind.F, m)
+        if s == last:
+            return [own]
+        return [own, Action(s + 1, ActionKind.I if (s + 1, m) in split else ActionKind.B, m)]
+
+    index: dict[Action, int] = {}
+    actions: list[Action] = []
+    device: list[int] = []
+    local: list[tuple[int, ...]] = []
+    remote: list[tuple[int, ...]] = []
+    channel: list[int] = []
+    comm_stage: list[int] = []
+    channels: dict[tuple[int, int], int] = {}
+    num_dev = schedule.num_devices
+    heads = [0] * num_dev
+    remaining = sum(len(o) for o in schedule.orders)
+    while remaining:
+        progressed = False
+        for d in range(num_dev):
+            order = schedule.orders[d]
+            while heads[d] < len(order):
+                a = order[heads[d]]
+                ds = deps(a)
+                if any(p not in index for p in ds):
+                    break
+                local.append(tuple(index[p] for p in ds if place[p.stage] == d))
+                remote.append(tuple(index[p] for p in ds if place[p.stage] != d))
+                if a.kind is ActionKind.F:
+                    dst, cs = (place[a.stage + 1] if a.stage < last else None), a.stage
+                elif a.kind is not ActionKind.W and a.stage > 0:
+                    dst, cs = place[a.stage - 1], a.stage - 1
+                else:
+                    dst, cs = None, 0
+                channel.append(
+                    -1 if dst is None or dst == d else channels.setdefault((d, dst), len(channels))
+                )
+                comm_stage.append(cs)
+                index[a] = len(actions)
+                actions.append(a)
+                device.append(d)
+                heads[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waits, waits_on = [], {}
+            for d in range(num_dev):
+                if heads[d] < len(schedule.orders[d]):
+                    a = schedule.orders[d][heads[d]]
+                    missing = [p for p in deps(a) if p not in index]
+                    waits.append(f"device {d} at {a} waits for {', '.join(map(str, missing))}")
+                    waits_on[d] = (a, missing[0])
+            raise ScheduleError(f"schedule deadlocks: {_cycle(waits_on, place)}; " + "; ".join(waits))
+    return Program(
+        actions=tuple(actions),
+        device=tuple(device),
+        local_deps=tuple(local),
+        remote_deps=tuple(remote),
+        channel=tuple(channel),
+        comm_stage=tuple(comm_stage),
+        key=tuple((a.stage, _KIND_CODE[a.kind]) for a in actions),
+        channel_dst=tuple(dst for (_src, dst) in channels),  # dicts keep insertion (= index) order
+    )
+
+
+_programs: dict[int, tuple[weakref.ref[Schedule], Program]] = {}
+
+
+def program(schedule: Schedule) -> Program:
+    """``schedule``'s ``Program``, built on first use and kept while the schedule object lives; raises
+    ``ScheduleError`` naming what each device waits for if the order deadlocks."""
+    key = id(schedule)
+    hit = _programs.get(key)
+    if hit is not None and hit[0]() is schedule:
+        return hit[1]
+    prog = _compile(schedule)
+    _programs[key] = (weakref.ref(schedule, lambda _ref, k=key: _programs.pop(k, None)), prog)
+    return prog
+
+
+def _durations(prog: Program, costs: StageCosts, durations: Callable[[Action], float] | None) -> list[float]:
+    if durations is not None:
+        return [durations(a) for a in prog.actions]
+    o = costs.overhead
+    table = [(f + o, i + o, w + o, i + w + o) for f, i, w in zip(costs.f, costs.i, costs.w, strict=True)]
+    return [table[s][k] for s, k in prog.key]
+
+
+def _check(schedule: Schedule, costs: StageCosts) -> None:
+    if costs.num_stages != schedule.num_stages:
+        raise ScheduleError(f"costs cover {costs.num_stages} stages, the schedule has {schedule.num_stages}")
+
+
+def makespan(
+    schedule: Schedule, costs: StageCosts, *, durations: Callable[[Action], float] | None = None
+) -> float:
+    """``simulate(...).makespan`` without bubbles, spans, memory or per-action times: the hot path of
+    planners that price many cost vectors on one schedule object."""
+    _check(schedule, costs)
+    prog = program(schedule)
+    dur = _durations(prog, costs, durations)
+    comm = [costs.comm_time(s) if c >= 0 else 0.0 for c, s in zip(prog.channel, prog.comm_stage, strict=True)]
+    n = len(dur)
+    end = [0.0] * n
+    avail = [0.0] * n
+    dev_free = [0.0] * schedule.num_devices
+    chan = [0.0] * len(prog.channel_dst)
+    device, local, remote, channel = prog.device, prog.local_deps, prog.remote_deps, prog.channel
+    for i in range(n):
+        d = device[i]
+        ready = dev_free[d]
+        for j in local[i]:
+            if end[j] > ready + _EPS:
+                ready = end[j]
+        for j in remote[i]:
+            if avail[j] > ready + _EPS:
+                ready = avail[j]
+        e = ready + dur[i]
+        end[i] = avail[i] = dev_free[d] = e
+        c = channel[i]
+        if c >= 0:
+            t0 = chan[c] if chan[c] > e else e
+            chan[c] = avail[i] = t0 + comm[i]
+    return max(dev_free) if dev_free else 0.0
+
+
 def simulate(
     schedule: Schedule,
     costs: StageCosts,
@@ -113,118 +264,70 @@ def simulate(
     """Simulate ``schedule`` with per-stage ``costs``; see the module docstring for the model.
 
     ``durations`` overrides the compute time of individual actions (per-microbatch workloads, a
-    slowed device); ``costs`` still provides communication and memory.
+    slowed device); ``costs`` still provides communication and memory. ``makespan`` is the same
+    sweep when only the makespan is needed.
     """
-    if costs.num_stages != schedule.num_stages:
-        raise ScheduleError(f"costs cover {costs.num_stages} stages, the schedule has {schedule.num_stages}")
-    place = schedule.placement
-    last = schedule.num_stages - 1
-    split = {(a.stage, a.microbatch) for order in schedule.orders for a in order if a.kind is ActionKind.I}
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-    # Arrival time on the consumer's device of each producer's output, set when the producer runs.
-    arrival: dict[Action, float] = {}
-    chan_free: dict[tuple[int, int], float] = {}
-    spans: list[Span] = []
+    _check(schedule, costs)
+    prog = program(schedule)
+    actions = prog.actions
+    dur = _durations(prog, costs, durations)
+    n = len(actions)
     num_dev = schedule.num_devices
+    starts = [0.0] * n
+    end = [0.0] * n
+    avail = [0.0] * n
     dev_free = [0.0] * num_dev
     busy = [0.0] * num_dev
-    heads = [0] * num_dev
+    chan = [0.0] * len(prog.channel_dst)
+    spans: list[Span] = []
     bubbles: list[Bubble] = []
     mem_events: list[list[tuple[float, float]]] = [[] for _ in range(num_dev)]
-
-    def backward_of(s: int, m: int) -> Action:
-        return Action(s, ActionKind.I if (s, m) in split else ActionKind.B, m)
-
-    def deps(a: Action) -> list[Action]:
-        s, m = a.stage, a.microbatch
+    for i, a in enumerate(actions):
+        d = prog.device[i]
+        ready, cause = dev_free[d], ""
+        for j in prog.local_deps[i]:
+            if end[j] > ready + _EPS:
+                ready, cause = end[j], str(actions[j])
+        for j in prog.remote_deps[i]:
+            if avail[j] > ready + _EPS:
+                ready, cause = avail[j], f"{actions[j]} via comm"
+        if ready > dev_free[d] + _EPS:
+            bubbles.append(Bubble(d, dev_free[d], ready - dev_free[d], str(a), cause))
+        starts[i], end[i] = ready, ready + dur[i]
+        avail[i] = dev_free[d] = end[i]
+        busy[d] += dur[i]
+        if with_spans:
+            spans.append(
+                Span(
+                    name=str(a), start=ready, duration=dur[i], rank=d, stream="compute", category=a.kind.value
+                )
+            )
+        # Memory: activations live from F's start to W's (or B's) end.
         if a.kind is ActionKind.F:
-            return [Action(s - 1, ActionKind.F, m)] if s > 0 else []
-        if a.kind is ActionKind.W:
-            return [Action(s, ActionKind.I, m)]
-        own = Action(s, ActionKind.F, m)
-        return [own] if s == last else [own, backward_of(s + 1, m)]
-
-    def consumer_device(a: Action) -> int | None:
-        """Where ``a``'s output goes, if anywhere."""
-        if a.kind is ActionKind.F and a.stage < last:
-            return place[a.stage + 1]
-        if a.kind in (ActionKind.I, ActionKind.B) and a.stage > 0:
-            return place[a.stage - 1]
-        return None
-
-    remaining = sum(len(o) for o in schedule.orders)
-    while remaining:
-        progressed = False
-        for d in range(num_dev):
-            order = schedule.orders[d]
-            while heads[d] < len(order):
-                a = order[heads[d]]
-                ds = deps(a)
-                if any(p not in end for p in ds):
-                    break
-                ready, cause = dev_free[d], ""
-                for p in ds:
-                    t = arrival.get(p, end[p])
-                    if t > ready + _EPS:
-                        via = " via comm" if place[p.stage] != d else ""
-                        ready, cause = t, f"{p}{via}"
-                if ready > dev_free[d] + _EPS:
-                    bubbles.append(Bubble(d, dev_free[d], ready - dev_free[d], str(a), cause))
-                dur = durations(a) if durations is not None else _duration(costs, a)
-                start[a], end[a] = ready, ready + dur
-                dev_free[d] = end[a]
-                busy[d] += dur
-                if with_spans:
-                    spans.append(
-                        Span(
-                            name=str(a),
-                            start=ready,
-                            duration=dur,
-                            rank=d,
-                            stream="compute",
-                            category=a.kind.value,
-                        )
+            mem_events[d].append((ready, costs.act_bytes[a.stage]))
+        elif a.kind in (ActionKind.W, ActionKind.B):
+            mem_events[d].append((end[i], -costs.act_bytes[a.stage]))
+        c = prog.channel[i]
+        if c >= 0:
+            dur_c = costs.comm_time(prog.comm_stage[i])
+            t0 = max(end[i], chan[c])
+            chan[c] = avail[i] = t0 + dur_c
+            if with_spans and dur_c > 0:
+                dst = prog.channel_dst[c]
+                spans.append(
+                    Span(
+                        name=f"{a}->{dst}",
+                        start=t0,
+                        duration=dur_c,
+                        rank=d,
+                        stream=f"send to {dst}",
+                        category="comm",
                     )
-                # Memory: activations live from F's start to W's (or B's) end.
-                if a.kind is ActionKind.F:
-                    mem_events[d].append((ready, costs.act_bytes[a.stage]))
-                elif a.kind in (ActionKind.W, ActionKind.B):
-                    mem_events[d].append((end[a], -costs.act_bytes[a.stage]))
-                dst = consumer_device(a)
-                if dst is not None and dst != d:
-                    dur_c = costs.comm_time(a.stage - 1 if a.kind is not ActionKind.F else a.stage)
-                    ch = (d, dst)
-                    t0 = max(end[a], chan_free.get(ch, 0.0))
-                    chan_free[ch] = t0 + dur_c
-                    arrival[a] = t0 + dur_c
-                    if with_spans and dur_c > 0:
-                        spans.append(
-                            Span(
-                                name=f"{a}->{dst}",
-                                start=t0,
-                                duration=dur_c,
-                                rank=d,
-                                stream=f"send to {dst}",
-                                category="comm",
-                            )
-                        )
-                heads[d] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            waits, waits_on = [], {}
-            for d in range(num_dev):
-                if heads[d] < len(schedule.orders[d]):
-                    a = schedule.orders[d][heads[d]]
-                    missing = [p for p in deps(a) if p not in end]
-                    waits.append(f"device {d} at {a} waits for {', '.join(map(str, missing))}")
-                    waits_on[d] = (a, missing[0])
-            raise ScheduleError(f"schedule deadlocks: {_cycle(waits_on, place)}; " + "; ".join(waits))
-    makespan = max(dev_free) if dev_free else 0.0
+                )
+    makespan_ = max(dev_free) if dev_free else 0.0
     for d in range(num_dev):
-        if makespan - dev_free[d] > _EPS:
-            bubbles.append(Bubble(d, dev_free[d], makespan - dev_free[d], "", "tail"))
+        if makespan_ - dev_free[d] > _EPS:
+            bubbles.append(Bubble(d, dev_free[d], makespan_ - dev_free[d], "", "tail"))
     peaks = []
     for d in range(num_dev):
         static = sum(costs.static_bytes[s] for s in schedule.stages_of(d))
@@ -234,11 +337,11 @@ def simulate(
             peak = max(peak, cur)
         peaks.append(static + peak)
     return SimResult(
-        makespan=makespan,
+        makespan=makespan_,
         busy=tuple(busy),
         peak_memory=tuple(peaks),
         bubbles=tuple(bubbles),
-        start=start,
-        end=end,
+        start=dict(zip(actions, starts, strict=True)),
+        end=dict(zip(actions, end, strict=True)),
         spans=tuple(spans),
     )

@@ -19,7 +19,7 @@ from steptune.core.specs import Phase, cluster_preset, model_preset
 from steptune.pipeline.anchors import one_f_one_b
 from steptune.pipeline.costs import StageCosts, uniform_partition
 from steptune.pipeline.schedule import Action, ActionKind
-from steptune.pipeline.simulate import simulate
+from steptune.pipeline.simulate import makespan
 from steptune.resilience.detect import (
     Alarm,
     ChangePointDetector,
@@ -156,14 +156,12 @@ def simulate_run(
 
             step_time = max(
                 step_time,
-                simulate(sched, fused, with_spans=False, durations=lambda a, t=true_t: dur(a, t)).makespan,
+                makespan(sched, fused, durations=lambda a, t=true_t: dur(a, t)),
             )
             if all_ready:
                 pred_step = max(
                     pred_step,
-                    simulate(
-                        sched, fused, with_spans=False, durations=lambda a, t=pred_t: dur(a, t)
-                    ).makespan,
+                    makespan(sched, fused, durations=lambda a, t=pred_t: dur(a, t)),
                 )
         clock += step_time
         result.step_times.append(step_time)

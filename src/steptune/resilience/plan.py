@@ -20,6 +20,7 @@ Model (approximate where stated; the planners are exact for it unless noted):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import heapq
 import json
@@ -252,12 +253,17 @@ def water_fill(group: Sequence[int], speeds: Sequence[float], units: int) -> tup
     Each unit goes to the member that would finish its share soonest, (count + 1) / speed (ties: member
     order), which minimizes max(count / speed) exactly. Dead members get 0. Counts in member order.
     """
-    alive = [i for i, d in enumerate(group) if speeds[d] > 0]
-    count = [0] * len(group)
+    return _water_fill(tuple(speeds[d] for d in group), units)
+
+
+@functools.lru_cache(maxsize=4096)
+def _water_fill(member_speeds: tuple[float, ...], units: int) -> tuple[int, ...]:
+    alive = [i for i, v in enumerate(member_speeds) if v > 0]
+    count = [0] * len(member_speeds)
     if not alive:
         return tuple(count)
     for _ in range(units):
-        i = min(alive, key=lambda i: ((count[i] + 1) / speeds[group[i]], i))
+        i = min(alive, key=lambda i: ((count[i] + 1) / member_speeds[i], i))
         count[i] += 1
     return tuple(count)
 
@@ -319,8 +325,23 @@ def plan_pp(
     partition: moving layers costs params and optimizer state over the network), then the least sum
     of squared stage times (balanced non-bottleneck stages). Exact DP over (stage, end), run twice
     (T*, then the tie-break under T*): O(S L^2), numpy over the inner loop (L = 128, S = 16: ~20 ms).
-    Returns layers per stage.
+    Returns layers per stage. Memoized on its arguments (planners ask the same question many times).
     """
+    return _plan_pp(
+        tuple(map(float, layer_costs)),
+        tuple(map(float, stage_speeds)),
+        memory,
+        None if prefer is None else tuple(map(int, prefer)),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_pp(
+    layer_costs: tuple[float, ...],
+    stage_speeds: tuple[float, ...],
+    memory: StageMemory | None,
+    prefer: tuple[int, ...] | None,
+) -> tuple[int, ...]:
     num_l, num_s = len(layer_costs), len(stage_speeds)
     if not 1 <= num_s <= num_l:
         raise ValueError(f"cannot split {num_l} layers into {num_s} stages; use 1..{num_l} stages")

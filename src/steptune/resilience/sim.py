@@ -35,6 +35,7 @@ outputs, not measurements.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -43,7 +44,8 @@ from typing import NamedTuple, Protocol
 from steptune.core.specs import LayerSpec, Phase, cluster_preset, model_preset
 from steptune.pipeline.anchors import one_f_one_b
 from steptune.pipeline.costs import StageCosts
-from steptune.pipeline.simulate import simulate
+from steptune.pipeline.schedule import Schedule
+from steptune.pipeline.simulate import makespan
 from steptune.resilience.plan import (
     ClusterState,
     ExecutionPlan,
@@ -277,7 +279,13 @@ def pipeline_time(f: list[float] | tuple[float, ...], b: list[float] | tuple[flo
         return 0.0
     zero = (0.0,) * len(f)
     costs = StageCosts(f=tuple(f), i=tuple(b), w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
-    return simulate(one_f_one_b(len(f), m), costs, with_spans=False).makespan
+    return makespan(_one_f_one_b(len(f), m), costs)
+
+
+@functools.lru_cache(maxsize=256)
+def _one_f_one_b(num_stages: int, m: int) -> Schedule:
+    """One schedule object per shape, so ``makespan`` compiles it once."""
+    return one_f_one_b(num_stages, m)
 
 
 def _make_step_time(

@@ -45,15 +45,22 @@ def test_tide_trains_exactly_like_stock_fsdp2(w):
                 # bitwise where the summation order matches gloo's, else fp32-rounding close
                 assert r["bitwise_equal"] or r["max_param_rel_diff"] <= 1e-6, (model, r["max_param_rel_diff"])
             stock, tide = r0["meters"]["stock"], r0["meters"]["tide"]
-            assert tide["calls"] == {"tide_all_gather": stock["calls"]["stock_all_gather"],
-                                     "tide_reduce_scatter": stock["calls"]["stock_reduce_scatter"]}
+            assert tide["calls"] == {
+                "tide_all_gather": stock["calls"]["stock_all_gather"],
+                "tide_reduce_scatter": stock["calls"]["stock_reduce_scatter"],
+            }
             # only the bf16 cast of each local shard remains: at most 1/5 of stock's layout copies
             assert tide["layout_bytes"] * 5 <= stock["layout_bytes"], (model, tide, stock)
             assert set(tide["copies_by_op"]) <= {"layout:aten::copy_", "reduce:aten::copy_"}
             # reduce-scatter wire: bf16, at most half of stock's fp32 bytes (no padding either)
             assert set(tide["wire_bytes"]["reduce_scatter"]) == {"bfloat16"}
-            assert 2 * tide["wire_bytes"]["reduce_scatter"]["bfloat16"] <= stock["wire_bytes"]["reduce_scatter"]["float32"]
-            assert tide["wire_bytes"]["all_gather"]["bfloat16"] <= stock["wire_bytes"]["all_gather"]["bfloat16"]
+            assert (
+                2 * tide["wire_bytes"]["reduce_scatter"]["bfloat16"]
+                <= stock["wire_bytes"]["reduce_scatter"]["float32"]
+            )
+            assert (
+                tide["wire_bytes"]["all_gather"]["bfloat16"] <= stock["wire_bytes"]["all_gather"]["bfloat16"]
+            )
             # Slot-Reuse: reduce-scatter staging came from vacated all-gather slots
             assert tide["rs_staging_allocated_bytes"] == 0 < stock["rs_staging_allocated_bytes"]
 

@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 def test_self_test_passes_on_gloo(w):
     for algorithm in ("rd", "direct"):
         cfg = TideConfig(ag_algorithm=algorithm)
-        assert run_threads(lambda r, g: self_test(g, torch.device("cpu"), cfg), w, timeout=60) == [None] * w
+        results = run_threads(lambda r, g, cfg=cfg: self_test(g, torch.device("cpu"), cfg), w, timeout=60)
+        assert results == [None] * w
 
 
 def test_a_broken_collective_fails_the_self_test_on_every_rank(monkeypatch):

@@ -26,7 +26,9 @@ def _rank(rank, port, results):
 
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         results.put((rank, self_test(dist.group.WORLD, torch.device("cuda", rank), TideConfig())))
     finally:

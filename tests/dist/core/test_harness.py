@@ -4,8 +4,7 @@ import time
 
 import pytest
 
-from steptune.testing import RankFailure, SpawnPool, run_threads
-from steptune.testing import probes
+from steptune.testing import RankFailure, SpawnPool, probes, run_threads
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(90)]
 

@@ -8,7 +8,7 @@ import torch
 
 from steptune.pipeline import anchors
 from steptune.pipeline.costs import LayerCosts, StageCosts
-from steptune.pipeline.executor import ExecutorConfig, ExecutorTimeout, PipelineExecutor, check_schedule
+from steptune.pipeline.executor import ExecutorConfig, PipelineExecutor, check_schedule
 from steptune.pipeline.fuzz import invalid_schedules, random_schedule
 from steptune.pipeline.listsched import ListPolicy, list_schedule
 from steptune.pipeline.schedule import ScheduleError
@@ -34,7 +34,9 @@ def decoder_data(num_microbatches, seed=0):
 
 
 def decoder(num_blocks):
-    return tiny_decoder_layers(vocab=VOCAB, hidden=16, num_layers=num_blocks, num_heads=2, seq_len=SEQ, seed=0)
+    return tiny_decoder_layers(
+        vocab=VOCAB, hidden=16, num_layers=num_blocks, num_heads=2, seq_len=SEQ, seed=0
+    )
 
 
 def reference_grads(num_blocks, xs, ys):
@@ -52,8 +54,15 @@ def run_pipeline(schedule, layers, xs, ys, loss_fn, *, timeout=60.0):
 
     def rank_fn(rank, group):
         mine = {s: stages[s] for s in schedule.stages_of(rank)}
-        ex = PipelineExecutor(schedule, mine, rank=rank, group=group, boundary=meta, loss_fn=loss_fn,
-                              config=ExecutorConfig(timeout=timeout))
+        ex = PipelineExecutor(
+            schedule,
+            mine,
+            rank=rank,
+            group=group,
+            boundary=meta,
+            loss_fn=loss_fn,
+            config=ExecutorConfig(timeout=timeout),
+        )
         return ex.step(xs if 0 in mine else None, ys if schedule.num_stages - 1 in mine else None)
 
     return run_threads(rank_fn, schedule.num_devices, timeout=timeout + 30)
@@ -61,7 +70,9 @@ def run_pipeline(schedule, layers, xs, ys, loss_fn, *, timeout=60.0):
 
 def max_rel_diff(layers, ref):
     got = [p.grad for layer in layers for p in layer.parameters()]
-    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, ref, strict=True))
+    return max(
+        ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, ref, strict=True)
+    )
 
 
 def with_partition(schedule, partition):
@@ -116,12 +127,18 @@ def test_tuned_irregular_schedules_exact(case, split_backward):
     placement, partition = IRREGULAR[case]
     n = len(placement)
     rng = random.Random(7)
-    costs = StageCosts(f=tuple(rng.uniform(1, 3) for _ in range(n)), i=tuple(rng.uniform(1, 3) for _ in range(n)),
-                       w=tuple(rng.uniform(0.5, 2) for _ in range(n)), act_bytes=(1.0,) * n, out_bytes=(0.0,) * n,
-                       static_bytes=(0.0,) * n)
+    costs = StageCosts(
+        f=tuple(rng.uniform(1, 3) for _ in range(n)),
+        i=tuple(rng.uniform(1, 3) for _ in range(n)),
+        w=tuple(rng.uniform(0.5, 2) for _ in range(n)),
+        act_bytes=(1.0,) * n,
+        out_bytes=(0.0,) * n,
+        static_bytes=(0.0,) * n,
+    )
     m = 6
-    sched = list_schedule(costs, placement, m, ListPolicy(extra_inflight=1, split_backward=split_backward),
-                          partition=partition)
+    sched = list_schedule(
+        costs, placement, m, ListPolicy(extra_inflight=1, split_backward=split_backward), partition=partition
+    )
     xs, ys = decoder_data(m, seed=3)
     n_blocks = sum(partition) - 2
     ref = reference_grads(n_blocks, xs, ys)
@@ -137,8 +154,14 @@ def test_sleep_harness_gradients_exact(name, make, num_ranks):
     sched = make(num_ranks, m)
     n = sched.num_stages + 2
     sched = with_partition(sched, uniform(n, sched.num_stages))
-    costs = LayerCosts(f=(0.0,) * n, i=(0.0,) * n, w=(0.0,) * n, act_bytes=(1.0,) * n, out_bytes=(1.0,) * n,
-                       static_bytes=(1.0,) * n)
+    costs = LayerCosts(
+        f=(0.0,) * n,
+        i=(0.0,) * n,
+        w=(0.0,) * n,
+        act_bytes=(1.0,) * n,
+        out_bytes=(1.0,) * n,
+        static_bytes=(1.0,) * n,
+    )
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(2, 16, generator=g) for _ in range(m)]
     ys = [torch.randn(2, 16, generator=g) for _ in range(m)]
@@ -163,9 +186,17 @@ def test_hf_decoder_pipeline_exact(kind):
 
     def build():
         cfg_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[kind]
-        cfg = cfg_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
-                      tie_word_embeddings=False)
+        cfg = cfg_cls(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
@@ -192,8 +223,14 @@ def test_200_random_valid_schedules_run_without_deadlock():
         n = rng.randrange(p, 7)
         sched = random_schedule(rng, num_devices=p, num_stages=n, num_microbatches=rng.choice((1, 2, 3, 5)))
         by_world[p].append(with_partition(sched, [1] * n))
-    zero = LayerCosts(f=(0.0,) * 6, i=(0.0,) * 6, w=(0.0,) * 6, act_bytes=(1.0,) * 6, out_bytes=(1.0,) * 6,
-                      static_bytes=(1.0,) * 6)
+    zero = LayerCosts(
+        f=(0.0,) * 6,
+        i=(0.0,) * 6,
+        w=(0.0,) * 6,
+        act_bytes=(1.0,) * 6,
+        out_bytes=(1.0,) * 6,
+        static_bytes=(1.0,) * 6,
+    )
 
     def loss(o, t):
         return (o * t).sum()
@@ -210,8 +247,15 @@ def test_200_random_valid_schedules_run_without_deadlock():
             done = 0
             for sched, stages, xs in built:  # one gloo world runs every schedule of this size
                 mine = {s: stages[s] for s in sched.stages_of(rank)}
-                ex = PipelineExecutor(sched, mine, rank=rank, group=group, boundary=[((1, 16), torch.float32)] * 6,
-                                      loss_fn=loss, config=ExecutorConfig(timeout=20.0))
+                ex = PipelineExecutor(
+                    sched,
+                    mine,
+                    rank=rank,
+                    group=group,
+                    boundary=[((1, 16), torch.float32)] * 6,
+                    loss_fn=loss,
+                    config=ExecutorConfig(timeout=20.0),
+                )
                 ex.step(xs if 0 in mine else None, xs if sched.num_stages - 1 in mine else None)
                 done += 1
             return done
@@ -228,7 +272,9 @@ def test_invalid_schedules_refused_before_any_communication():
             # No group exists: a refusal here cannot have communicated.
             PipelineExecutor(sched, {}, rank=0, group=None, boundary=[], loss_fn=lm_loss)
         msg = str(info.value)
-        assert any(word in msg for word in ("deadlocks", "missing", "twice", "placed on", "needs exactly one"))
+        assert any(
+            word in msg for word in ("deadlocks", "missing", "twice", "placed on", "needs exactly one")
+        )
         if kind in ("cycle", "backward_first"):
             assert "deadlocks" in msg and "->" in msg
         refused += 1
@@ -240,16 +286,30 @@ def test_stuck_rank_becomes_an_error_with_every_rank_position():
     from steptune.core.dist import master_store
 
     sched = with_partition(anchors.one_f_one_b(2, 2), (2, 2))
-    costs = LayerCosts(f=(0.0,) * 4, i=(0.0,) * 4, w=(0.0,) * 4, act_bytes=(1.0,) * 4, out_bytes=(1.0,) * 4,
-                       static_bytes=(1.0,) * 4)
+    costs = LayerCosts(
+        f=(0.0,) * 4,
+        i=(0.0,) * 4,
+        w=(0.0,) * 4,
+        act_bytes=(1.0,) * 4,
+        out_bytes=(1.0,) * 4,
+        static_bytes=(1.0,) * 4,
+    )
     layers = sleep_layers(costs)
     stages = split_layers(layers, (2, 2))
     xs = [torch.randn(1, 16) for _ in range(2)]
     store = master_store()
 
     def rank_fn(rank, group):
-        ex = PipelineExecutor(sched, {rank: stages[rank]}, rank=rank, group=group, boundary=[((1, 16), torch.float32)],
-                              loss_fn=lambda o, t: o.sum(), config=ExecutorConfig(timeout=1.0), store=store)
+        ex = PipelineExecutor(
+            sched,
+            {rank: stages[rank]},
+            rank=rank,
+            group=group,
+            boundary=[((1, 16), torch.float32)],
+            loss_fn=lambda o, t: o.sum(),
+            config=ExecutorConfig(timeout=1.0),
+            store=store,
+        )
         if rank == 1:
             store.set("pp/pos/1", "stuck before its first action (injected)")
             time.sleep(3.0)  # a dead-slow rank: rank 0 must not wait forever

@@ -3,7 +3,6 @@ moves to the survivor) and readmitted when it recovers, training unchanged."""
 
 import numpy as np
 import pytest
-import torch
 
 from steptune.resilience.live import reference_losses
 from steptune.resilience.tensorpar import TPModel, _TPGroup, run_tensor_parallel
@@ -19,7 +18,8 @@ def _reference_losses(spec: dict) -> list[float]:
 
 def _summary(rows: list[dict]) -> str:
     return "\n".join(
-        str((r["step"], round(r["wall_s"], 1), r["alarms"], r["units"], r["plan_log"], r["speeds"])) for r in rows
+        str((r["step"], round(r["wall_s"], 1), r["alarms"], r["units"], r["plan_log"], r["speeds"]))
+        for r in rows
     )
 
 

@@ -1,5 +1,6 @@
 """The pipeline simulator against closed forms, plus deadlock, memory and speed checks."""
 
+import random
 import time
 
 import pytest
@@ -7,8 +8,9 @@ import pytest
 from steptune.core.specs import LinkSpec
 from steptune.pipeline.anchors import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from steptune.pipeline.costs import StageCosts
+from steptune.pipeline.fuzz import random_schedule
 from steptune.pipeline.schedule import Action, Schedule, ScheduleError
-from steptune.pipeline.simulate import simulate
+from steptune.pipeline.simulate import makespan, simulate
 
 
 def equal_costs(num_stages, f=1.0, i=1.0, w=1.0, act=1.0, link=None, static=0.0):
@@ -108,3 +110,66 @@ def test_thousands_of_nodes_in_milliseconds():
     t0 = time.perf_counter()
     simulate(sched, c, with_spans=False)
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_a_send_does_not_hold_back_its_own_device():
+    # 2 stages on 2 devices, split backward: 1I0 sends its gradient to device 0 over a slow link, and
+    # 1W0 (same device) starts when 1I0 ends, not when the gradient lands; likewise 0I0 after 0F0's send.
+    sched = Schedule(
+        name="split",
+        num_stages=2,
+        num_microbatches=1,
+        placement=(0, 1),
+        orders=tuple(
+            tuple(Action.parse(x) for x in o) for o in (("0F0", "0I0", "0W0"), ("1F0", "1I0", "1W0"))
+        ),
+    ).validate()
+    r = simulate(sched, equal_costs(2, link=LinkSpec(name="x", bandwidth=1e30, latency=5.0)))
+    one_i, one_w = Action.parse("1I0"), Action.parse("1W0")
+    assert r.start[one_w] == pytest.approx(r.end[one_i])
+    # device 0's input-gradient step waits for the gradient: 0F0 (1) + link (5) + 1F0 (1) + 1I0 (1) + link (5)
+    assert r.start[Action.parse("0I0")] == pytest.approx(13.0)
+    assert r.makespan == pytest.approx(15.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_makespan_is_simulate_without_the_extras(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        d = rng.randint(1, 4)
+        s = d + rng.randint(0, 3)
+        sched = random_schedule(rng, num_devices=d, num_stages=s, num_microbatches=rng.randint(1, 6))
+        link = LinkSpec(name="x", bandwidth=rng.uniform(1, 10), latency=rng.uniform(0, 0.5))
+        costs = StageCosts(
+            f=tuple(rng.uniform(0.5, 2) for _ in range(s)),
+            i=tuple(rng.uniform(0.5, 2) for _ in range(s)),
+            w=tuple(rng.uniform(0.2, 1) for _ in range(s)),
+            act_bytes=(1.0,) * s,
+            out_bytes=tuple(rng.uniform(0, 3) for _ in range(s)),
+            static_bytes=(0.0,) * s,
+            link=link if rng.random() < 0.7 else None,
+            overhead=rng.choice([0.0, 0.05]),
+        )
+        r = simulate(sched, costs, with_spans=False)
+        assert makespan(sched, costs) == r.makespan
+        # the makespan is a longest path: it never beats any device's own busy time
+        assert r.makespan >= max(r.busy) - 1e-9
+        f = costs.f
+
+        def twice(a, f=f):
+            return 2 * (f[a.stage] if a.kind.value == "F" else 1.0)
+
+        assert makespan(sched, costs, durations=twice) == simulate(sched, costs, durations=twice).makespan
+
+
+def test_makespan_is_fast_on_a_reused_schedule():
+    sched = one_f_one_b(16, 128)
+    c = equal_costs(16)
+    makespan(sched, c)  # builds the program once
+    t0 = time.perf_counter()
+    for _ in range(10):
+        makespan(sched, c)
+    per_call = (time.perf_counter() - t0) / 10
+    t0 = time.perf_counter()
+    simulate(sched, c, with_spans=False)
+    assert per_call < (time.perf_counter() - t0) / 2

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from steptune.pipeline.costs import StageCosts
 from steptune.pipeline.listsched import ListPolicy, list_schedule
-from steptune.pipeline.simulate import simulate
+from steptune.pipeline.simulate import makespan
 from steptune.resilience.baselines._common import _INF, Price, _dead, _stage_costs
 from steptune.resilience.baselines.failstop import Oobleck, ReCycle
 from steptune.resilience.plan import (
@@ -189,7 +189,7 @@ def _rescheduled(f: tuple[float, ...], fb: tuple[float, ...], m: int, max_extra:
             sched = list_schedule(
                 costs, tuple(range(n)), m, ListPolicy(extra_inflight=extra, split_backward=False)
             )
-            t = min(t, simulate(sched, costs, with_spans=False).makespan)
+            t = min(t, makespan(sched, costs))
     return t
 
 
