@@ -44,6 +44,7 @@ from typing import NamedTuple, Protocol
 from steptune.core.specs import LayerSpec, Phase, cluster_preset, model_preset
 from steptune.pipeline.anchors import one_f_one_b
 from steptune.pipeline.costs import StageCosts
+from steptune.pipeline.listsched import ListPolicy, list_schedule
 from steptune.pipeline.schedule import Schedule
 from steptune.pipeline.simulate import makespan
 from steptune.resilience.plan import (
@@ -183,6 +184,15 @@ class SimContext:
     """The communication model (``SimJob(comm=True)``); speed vectors then carry link factors."""
     comm_share: float = 0.0
     """Fraction of the healthy step's stage time spent communicating (``effective_speeds``)."""
+    rescheduled_step_time: Callable[[ExecutionPlan, tuple[float, ...]], float] | None = field(
+        default=None, repr=False
+    )
+    """``step_time`` when each replica runs the best of 1F1B and deeper warm-ups (``rescheduled_time``);
+    None: the same as ``step_time``."""
+
+    def step_time_rescheduled(self, plan: ExecutionPlan, speeds: tuple[float, ...]) -> float:
+        f = self.rescheduled_step_time or self.step_time
+        return f(plan, speeds)
 
 
 class Policy(Protocol):
@@ -273,6 +283,10 @@ def _layer_times(job: SimJob) -> tuple[tuple[float, ...], tuple[float, ...], tup
     return fwd, bwd, nbytes, int(model.config.get("num_attention_heads", 1))
 
 
+RESCHEDULE_MAX_EXTRA = 3
+"""Deepest extra warm-up Adaptra's rescheduling (and steptune's) tries."""
+
+
 def pipeline_time(f: list[float] | tuple[float, ...], b: list[float] | tuple[float, ...], m: int) -> float:
     """1F1B makespan of ``m`` microbatches over stages with F and fused-backward seconds ``f``, ``b``."""
     if m <= 0:
@@ -288,12 +302,33 @@ def _one_f_one_b(num_stages: int, m: int) -> Schedule:
     return one_f_one_b(num_stages, m)
 
 
+@functools.lru_cache(maxsize=8192)
+def rescheduled_time(f: tuple[float, ...], fb: tuple[float, ...], m: int, max_extra: int) -> float:
+    """Adaptra's rescheduling for one replica: the best of 1F1B and list schedules that run up to
+    ``max_extra`` microbatches deeper into the warm-up, so a slow stage's delay is absorbed by work
+    queued ahead of it. Equal stages have nothing to absorb: 1F1B."""
+    t = pipeline_time(f, fb, m)
+    slowest = max(x + y for x, y in zip(f, fb, strict=True))
+    fastest = min(x + y for x, y in zip(f, fb, strict=True))
+    if m > 0 and slowest > fastest * (1 + 1e-9):
+        n = len(f)
+        zero = (0.0,) * n
+        costs = StageCosts(f=f, i=fb, w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
+        for extra in range(1, max_extra + 1):
+            sched = list_schedule(
+                costs, tuple(range(n)), m, ListPolicy(extra_inflight=extra, split_backward=False)
+            )
+            t = min(t, makespan(sched, costs))
+    return t
+
+
 def _make_step_time(
-    fwd: tuple[float, ...], bwd: tuple[float, ...], comm: CommModel | None = None
+    fwd: tuple[float, ...], bwd: tuple[float, ...], comm: CommModel | None = None, *, max_extra: int = 0
 ) -> Callable[[ExecutionPlan, tuple[float, ...]], float]:
     """Step time = slowest replica's 1F1B makespan (+ the DP gradient sync with ``comm``); cached per
     replica (partition, count, stage throughputs and communication), so plans that differ in one
-    replica's microbatch count re-simulate only that replica."""
+    replica's microbatch count re-simulate only that replica. With ``max_extra`` > 0 each replica runs
+    the best of 1F1B and deeper warm-ups (``rescheduled_time``)."""
     cache: dict[tuple[object, ...], float] = {}
 
     def replica_time(
@@ -321,7 +356,9 @@ def _make_step_time(
             if extra is not None:
                 f = [x + y for x, y in zip(f, extra[0], strict=True)]
                 b = [x + y for x, y in zip(b, extra[1], strict=True)]
-            cache[key] = pipeline_time(f, b, m)
+            cache[key] = (
+                rescheduled_time(tuple(f), tuple(b), m, max_extra) if max_extra else pipeline_time(f, b, m)
+            )
         return cache[key]
 
     def step_time(plan: ExecutionPlan, speeds: tuple[float, ...]) -> float:
@@ -577,16 +614,32 @@ class ResiHPPolicy(Memoized):
             cand = _try_replan(state, plan, horizon, costs, self.per_replica_partitions)
             if cand is not None and cand not in cands:
                 cands.append(cand)
-        t_now = ctx.step_time(plan, observed)
+        cands += self._more_candidates(cands, plan, observed, state, ctx)
+        t_now = self._price(plan, observed, ctx)
 
         def total(c: ExecutionPlan) -> tuple[float, float]:
-            t_c, cost = ctx.step_time(c, observed), reconfig_cost(plan, c, ctx.job.reconfig)
+            t_c, cost = self._price(c, observed, ctx), reconfig_cost(plan, c, ctx.job.reconfig)
             if math.isinf(dur) or math.isinf(t_now):
                 return (t_c, cost)
             return (cost + dur / t_now * t_c, 0.0)  # seconds to run the fault's steps
 
         new = min(cands, key=total)  # replans come back as version + 1 already
         return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
+
+    def _price(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
+        """The step time this policy's runtime would get from ``plan`` under ``speeds``."""
+        return ctx.step_time(plan, speeds)
+
+    def _more_candidates(
+        self,
+        cands: list[ExecutionPlan],
+        plan: ExecutionPlan,
+        observed: tuple[float, ...],
+        state: ClusterState,
+        ctx: SimContext,
+    ) -> list[ExecutionPlan]:
+        """Plans to weigh besides ResiHP's progressive replans: none (steptune adds some)."""
+        return []
 
     def _readmit(
         self, plan: ExecutionPlan, state: ClusterState, observed: tuple[float, ...], ctx: SimContext
@@ -607,11 +660,11 @@ class ResiHPPolicy(Memoized):
             new = _try_replan(state, ctx.base_plan, math.inf, ctx.job.reconfig, self.per_replica_partitions)
             if new is not None:
                 cands.append(new)
-        t_now = ctx.step_time(plan, observed)
+        t_now = self._price(plan, observed, ctx)
         best, best_t = plan, t_now
         for c in cands:
             c = replace(c, version=plan.version + 1)
-            t_c, cost = ctx.step_time(c, observed), reconfig_cost(plan, c, ctx.job.reconfig)
+            t_c, cost = self._price(c, observed, ctx), reconfig_cost(plan, c, ctx.job.reconfig)
             if t_c < best_t and should_apply(t_now, t_c, self.expected_slow_s, cost):
                 best, best_t = c, t_c
         if best is plan:
@@ -629,6 +682,52 @@ class SteptunePolicy(ResiHPPolicy):
 
     name = "steptune"
     tp_shares = True
+    _adapted = False
+
+    def reset(self) -> None:
+        super().reset()
+        self._adapted = False
+
+    def on_step(
+        self,
+        t: float,
+        step: int,
+        observed: tuple[float, ...],
+        plan: ExecutionPlan,
+        state: ClusterState,
+        ctx: SimContext,
+    ) -> Decision:
+        decision = super().on_step(t, step, observed, plan, state, ctx)
+        # Reschedule while a detected slow device (or link) runs in the plan, as Adaptra does.
+        self._adapted = 0 < min(state.speeds[d] for g in decision.plan.tp_groups for d in g) < 1.0
+        return decision
+
+    def _price(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
+        return ctx.step_time_rescheduled(plan, speeds)
+
+    def _more_candidates(
+        self,
+        cands: list[ExecutionPlan],
+        plan: ExecutionPlan,
+        observed: tuple[float, ...],
+        state: ClusterState,
+        ctx: SimContext,
+    ) -> list[ExecutionPlan]:
+        # One repartition for all replicas (Greyhound's S3), and each candidate's microbatch counts
+        # improved by greedy moves priced by the iteration-time predictor (the simulator), not by the
+        # planner's per-device speed, which misjudges slow links.
+        more = [c for c in (uniform_repartition(state, plan),) if c is not None]
+
+        def price(p: ExecutionPlan) -> float:
+            return ctx.step_time(p, observed)
+
+        more += [improve_counts(c, price) for c in (*cands, *more)]
+        return [replace(c, version=plan.version + 1) for c in more if c != plan and c not in cands]
+
+    def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
+        if self._adapted:
+            return ctx.step_time_rescheduled(plan, speeds)
+        return ctx.step_time(plan, speeds)
 
 
 PriceFn = Callable[[ExecutionPlan, tuple[float, ...], SimContext], float]
@@ -642,7 +741,8 @@ class Oracle(Memoized):
     same with uneven TP shares (steptune's), free only. With
     ``extra_prices`` (other mechanisms' step times, e.g. ReCycle's rerouting or Adaptra's
     rescheduling, from ``baselines.oracle``) a plan runs at the best of all of them, so the bound
-    also covers policies whose mechanism is not a plan change.
+    also covers policies whose mechanism is not a plan change. Every plan, uneven shares included, may
+    also run rescheduled (steptune does).
     """
 
     name = "oracle"
@@ -652,17 +752,20 @@ class Oracle(Memoized):
     def __init__(self, *, extra_prices: tuple[PriceFn, ...] = ()) -> None:
         super().__init__()
         self.extra_prices = extra_prices
-        self._prices: dict[tuple[ExecutionPlan, tuple[float, ...]], float] = {}
+        self._prices: dict[tuple[SimJob, ExecutionPlan, tuple[float, ...]], float] = {}
+
+    def reset(self) -> None:
+        super().reset()
+        self._prices = {}
 
     def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
-        # Plans with uneven TP shares are steptune's alone; no baseline mechanism runs on them.
-        if not self.extra_prices or plan.tp_shares is not None:
-            return ctx.step_time(plan, speeds)
-        key = (plan, tuple(speeds))
+        key = (ctx.job, plan, tuple(speeds))
         if key not in self._prices:
-            self._prices[key] = min(
-                ctx.step_time(plan, speeds), *(float(f(plan, speeds, ctx)) for f in self.extra_prices)
-            )
+            prices = [ctx.step_time_rescheduled(plan, speeds)]
+            # Plans with uneven TP shares are steptune's alone; no baseline mechanism runs on them.
+            if plan.tp_shares is None:
+                prices += [float(f(plan, speeds, ctx)) for f in self.extra_prices]
+            self._prices[key] = min(prices)
         return self._prices[key]
 
     def _decide(
@@ -749,6 +852,7 @@ def run(
         gpus_per_node=cluster_preset(job.cluster).gpus_per_node,
         comm=comm,
         comm_share=share,
+        rescheduled_step_time=_make_step_time(fwd, bwd, comm, max_extra=RESCHEDULE_MAX_EXTRA),
     )
     delays = (
         policy.detect_stop_steps * healthy,

@@ -18,7 +18,17 @@ from steptune.resilience.baselines import (
     oracle,
 )
 from steptune.resilience.plan import ClusterState, initial_plan
-from steptune.resilience.sim import FailureEvent, NoOp, ResiHPPolicy, SimJob, SimResult, run
+from steptune.resilience.sim import (
+    FailureEvent,
+    NoOp,
+    ResiHPPolicy,
+    SimJob,
+    SimResult,
+    SteptunePolicy,
+    pipeline_time,
+    rescheduled_time,
+    run,
+)
 
 JOB = SimJob(model="llama2-7b", tp=2, pp=4, dp=4, global_microbatches=32, tokens_per_microbatch=4096)
 DUR = 3600.0
@@ -33,6 +43,7 @@ MAKERS = {
     "strengthened-oobleck": lambda: Strengthened(Oobleck()),
     "malleus-lite": MalleusLite,
     "resihp": ResiHPPolicy,
+    "steptune": SteptunePolicy,
     "noop": NoOp,
     "oracle": oracle,
 }
@@ -66,11 +77,27 @@ def test_fail_slow_systems_recover_throughput(name: str) -> None:
     assert _run(name, "slow").tokens_per_s > 1.03 * _run("noop", "slow").tokens_per_s
 
 
-def test_resihp_at_least_every_baseline_here() -> None:
+@pytest.mark.parametrize("ours", ["resihp", "steptune"])
+def test_ours_at_least_every_baseline_here(ours: str) -> None:
     for scenario in ("stop", "slow"):
-        ours = _run("resihp", scenario).tokens_per_s
-        for name in set(MAKERS) - {"oracle", "resihp"}:
-            assert ours >= _run(name, scenario).tokens_per_s * (1 - 1e-9), (name, scenario)
+        mine = _run(ours, scenario).tokens_per_s
+        for name in set(MAKERS) - {"oracle", "resihp", "steptune"}:
+            assert mine >= _run(name, scenario).tokens_per_s * (1 - 1e-9), (name, scenario)
+
+
+def test_rescheduling_absorbs_a_slow_stage_and_never_hurts() -> None:
+    even = (1.0,) * 4
+    assert rescheduled_time(even, (2.0,) * 4, 8, 3) == pipeline_time(even, (2.0,) * 4, 8)  # nothing to absorb
+    for slow in range(4):
+        f = tuple(1.6 if s == slow else 1.0 for s in range(4))
+        fb = tuple(2 * x for x in f)
+        for m in (1, 4, 8, 16):
+            assert rescheduled_time(f, fb, m, 3) <= pipeline_time(f, fb, m) * (1 + 1e-12)
+            # deeper warm-ups only add options
+            assert rescheduled_time(f, fb, m, 3) <= rescheduled_time(f, fb, m, 1) * (1 + 1e-12)
+    # a slow second stage: running one microbatch deeper hides part of the warm-up's wait on it
+    f, fb = (1.0, 1.6, 1.0, 1.0), (2.0, 3.2, 2.0, 2.0)
+    assert rescheduled_time(f, fb, 4, 3) < pipeline_time(f, fb, 4) * 0.95
 
 
 def test_oobleck_loses_the_whole_node() -> None:

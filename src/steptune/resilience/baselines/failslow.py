@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
-from steptune.pipeline.costs import StageCosts
-from steptune.pipeline.listsched import ListPolicy, list_schedule
-from steptune.pipeline.simulate import makespan
 from steptune.resilience.baselines._common import _INF, Price, _dead, _stage_costs
 from steptune.resilience.baselines.failstop import Oobleck, ReCycle
 from steptune.resilience.plan import (
@@ -24,8 +20,8 @@ from steptune.resilience.sim import (
     SimContext,
     dp_sync_s,
     improve_counts,
-    pipeline_time,
     reconfig_cost,
+    rescheduled_time,
     restart_plan,
 )
 
@@ -175,24 +171,6 @@ class Adaptra:
         return adaptra_step_time(plan, speeds, ctx, max_extra=self.max_extra)
 
 
-@functools.lru_cache(maxsize=8192)
-def _rescheduled(f: tuple[float, ...], fb: tuple[float, ...], m: int, max_extra: int) -> float:
-    """Best of 1F1B and deeper warm-ups (list schedules) for one replica's stage times."""
-    t = pipeline_time(f, fb, m)
-    slowest = max(x + y for x, y in zip(f, fb, strict=True))
-    fastest = min(x + y for x, y in zip(f, fb, strict=True))
-    if m > 0 and slowest > fastest * (1 + 1e-9):  # equal stages: nothing to absorb
-        n = len(f)
-        zero = (0.0,) * n
-        costs = StageCosts(f=f, i=fb, w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
-        for extra in range(1, max_extra + 1):
-            sched = list_schedule(
-                costs, tuple(range(n)), m, ListPolicy(extra_inflight=extra, split_backward=False)
-            )
-            t = min(t, makespan(sched, costs))
-    return t
-
-
 def adaptra_step_time(
     plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext, *, max_extra: int = 3
 ) -> float:
@@ -204,7 +182,7 @@ def adaptra_step_time(
     for r in range(plan.num_replicas):
         f, b, w = _stage_costs(plan, r, speeds, ctx)
         fb = tuple(x + y for x, y in zip(b, w, strict=True))
-        out = max(out, _rescheduled(tuple(f), fb, plan.microbatches[r], max_extra))
+        out = max(out, rescheduled_time(tuple(f), fb, plan.microbatches[r], max_extra))
     return out + dp_sync_s(plan, speeds, ctx)
 
 
