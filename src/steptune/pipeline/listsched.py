@@ -104,53 +104,50 @@ def list_schedule(
         t = done_b.get((s + 1, m))
         return None if t is None else max(t_f, t + comm(s, s + 1, s))
 
+    split = policy.split_backward
+    b_kind = ActionKind.I if split else ActionKind.B
+    b_dur = [costs.i[s] + (0.0 if split else costs.w[s]) for s in range(num_stages)]
+    # Priorities at equal start times (lower first): older microbatches and later stages first, they
+    # unblock the most work upstream; a stage that prefers forwards ranks its F before its I.
+    b_prio = [4 if policy.f_first(s) else 0 for s in range(num_stages)]
+    f_prio = [1 if policy.f_first(s) else 5 for s in range(num_stages)]
+    w_prio = 8
+
     def device_first(d: int) -> tuple[float, int, Action, float] | None:
         """The action device ``d`` would run next, as (start, priority, action, duration)."""
         free = dev_free[d]
-        cands: list[tuple[float, int, Action, float]] = []
+        # (start, priority, -stage, microbatch, kind, stage, duration): the first four are unique per
+        # candidate (a stage offers at most one action of each priority), so tuple order is the rule.
+        cands: list[tuple[float, int, int, int, ActionKind, int, float]] = []
         for s in stages_on[d]:
             tb = b_ready(s)
             if tb is not None:
-                kind = ActionKind.I if policy.split_backward else ActionKind.B
-                dur = costs.i[s] + (0.0 if policy.split_backward else costs.w[s])
-                # older microbatches and later stages first: they unblock the most work upstream
-                cands.append(
-                    (
-                        max(free, tb),
-                        (1 if policy.f_first(s) else 0) * 4,
-                        Action(s, kind, next_b[s]),
-                        dur,
-                    )
-                )
+                cands.append((max(free, tb), b_prio[s], -s, next_b[s], b_kind, s, b_dur[s]))
             tf = f_ready(s)
-            if tf is not None and inflight_fi[s] < limit_fi[s] and inflight[s] < limit_fw[s]:
-                fits = cap is None or mem[d] + costs.act_bytes[s] <= cap
-                if fits:
-                    cands.append(
-                        (
-                            max(free, tf),
-                            (0 if policy.f_first(s) else 1) * 4 + 1,
-                            Action(s, ActionKind.F, next_f[s]),
-                            costs.f[s],
-                        )
-                    )
+            if (
+                tf is not None
+                and inflight_fi[s] < limit_fi[s]
+                and inflight[s] < limit_fw[s]
+                and (cap is None or mem[d] + costs.act_bytes[s] <= cap)
+            ):
+                cands.append((max(free, tf), f_prio[s], -s, next_f[s], ActionKind.F, s, costs.f[s]))
             if pending_w[s]:
-                cands.append((free, 8, Action(s, ActionKind.W, pending_w[s][0]), costs.w[s]))
+                cands.append((free, w_prio, -s, pending_w[s][0], ActionKind.W, s, costs.w[s]))
         if not cands:
             return None
-        # A W only runs if nothing else could start no later than it would finish.
-        cands.sort(key=lambda c: (c[0], c[1], -c[2].stage, c[2].microbatch))
-        first = cands[0]
-        non_w = [c for c in cands if c[2].kind is not ActionKind.W]
-        if first[2].kind is ActionKind.W and non_w:
-            earliest = min(non_w, key=lambda c: (c[0], c[1]))
-            if earliest[0] <= first[0]:
-                first = earliest
-        elif non_w and first[2].kind is not ActionKind.W:
+        first = min(cands)
+        non_w = [c for c in cands if c[1] != w_prio]
+        if first[1] == w_prio:
+            # A W only runs if nothing else could start no later than it would finish.
+            if non_w:
+                earliest = min(non_w)
+                if earliest[0] <= first[0]:
+                    first = earliest
+        else:
             # among actions that can start at the same time, use the priority
-            same = [c for c in cands if c[0] <= first[0] + 1e-12]
-            first = min(same, key=lambda c: (c[1], -c[2].stage, c[2].microbatch))
-        return first
+            first = min((c for c in cands if c[0] <= first[0] + 1e-12), key=lambda c: c[1:4])
+        t0, prio, _, m, kind, s, dur = first
+        return t0, prio, Action(s, kind, m), dur
 
     # A device's next action depends only on its own clock and memory, its stages' state and the
     # neighbouring stages' completions, so after each action only three devices need a new look.
