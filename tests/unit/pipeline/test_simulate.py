@@ -173,3 +173,23 @@ def test_makespan_is_fast_on_a_reused_schedule():
     t0 = time.perf_counter()
     simulate(sched, c, with_spans=False)
     assert per_call < (time.perf_counter() - t0) / 2
+
+
+def test_programs_are_freed_with_their_schedules():
+    import gc
+    import importlib
+
+    sim = importlib.import_module("steptune.pipeline.simulate")  # the package's `simulate` is the function
+
+    gc.collect()
+    before = len(sim._programs)
+    kept = one_f_one_b(4, 3)
+    first = sim.program(kept)
+    for m in range(1, 40):
+        makespan(one_f_one_b(4, m), equal_costs(4))  # each schedule dies at the end of its statement
+    gc.collect()
+    assert len(sim._programs) == before + 1  # only the one still referenced
+    assert sim.program(kept) is first
+    # an equal but distinct schedule object gets its own program, never a stale one
+    twin = one_f_one_b(4, 3)
+    assert sim.program(twin) is not first and sim.program(twin).actions == first.actions
