@@ -136,13 +136,11 @@ def list_schedule(
         if not cands:
             return None
         first = min(cands)
-        non_w = [c for c in cands if c[1] != w_prio]
         if first[1] == w_prio:
             # A W only runs if nothing else could start no later than it would finish.
-            if non_w:
-                earliest = min(non_w)
-                if earliest[0] <= first[0]:
-                    first = earliest
+            earliest = min((c for c in cands if c[1] != w_prio), default=None)
+            if earliest is not None and earliest[0] <= first[0]:
+                first = earliest
         else:
             # among actions that can start at the same time, use the priority
             first = min((c for c in cands if c[0] <= first[0] + 1e-12), key=lambda c: c[1:4])

@@ -221,37 +221,48 @@ def _check(schedule: Schedule, costs: StageCosts) -> None:
         raise ScheduleError(f"costs cover {costs.num_stages} stages, the schedule has {schedule.num_stages}")
 
 
-def makespan(
-    schedule: Schedule, costs: StageCosts, *, durations: Callable[[Action], float] | None = None
-) -> float:
-    """``simulate(...).makespan`` without bubbles, spans, memory or per-action times: the hot path of
-    planners that price many cost vectors on one schedule object."""
-    _check(schedule, costs)
-    prog = program(schedule)
-    dur = _durations(prog, costs, durations)
-    comm = [costs.comm_time(s) if c >= 0 else 0.0 for c, s in zip(prog.channel, prog.comm_stage, strict=True)]
+def _sweep(
+    prog: Program, dur: list[float], comm: list[float], num_dev: int
+) -> tuple[list[float], list[float], list[int]]:
+    """The longest-path sweep: each action's start and end, and what set its start (-1: its device's
+    previous action; ``j``: local producer ``j``; ``-2 - j``: the arrival of remote producer ``j``)."""
     n = len(dur)
-    end = [0.0] * n
-    avail = [0.0] * n
-    dev_free = [0.0] * schedule.num_devices
+    start, end, avail, why = [0.0] * n, [0.0] * n, [0.0] * n, [-1] * n
+    dev_free = [0.0] * num_dev
     chan = [0.0] * len(prog.channel_dst)
     device, local, remote, channel = prog.device, prog.local_deps, prog.remote_deps, prog.channel
     for i in range(n):
         d = device[i]
-        ready = dev_free[d]
+        ready, w = dev_free[d], -1
         for j in local[i]:
             if end[j] > ready + _EPS:
-                ready = end[j]
+                ready, w = end[j], j
         for j in remote[i]:
             if avail[j] > ready + _EPS:
-                ready = avail[j]
+                ready, w = avail[j], -2 - j
+        start[i], why[i] = ready, w
         e = ready + dur[i]
         end[i] = avail[i] = dev_free[d] = e
         c = channel[i]
         if c >= 0:
             t0 = chan[c] if chan[c] > e else e
             chan[c] = avail[i] = t0 + comm[i]
-    return max(dev_free) if dev_free else 0.0
+    return start, end, why
+
+
+def _comm(prog: Program, costs: StageCosts) -> list[float]:
+    return [costs.comm_time(s) if c >= 0 else 0.0 for c, s in zip(prog.channel, prog.comm_stage, strict=True)]
+
+
+def makespan(
+    schedule: Schedule, costs: StageCosts, *, durations: Callable[[Action], float] | None = None
+) -> float:
+    """``simulate(...).makespan`` without bubbles, spans or memory: the hot path of planners that price
+    many cost vectors on one schedule object."""
+    _check(schedule, costs)
+    prog = program(schedule)
+    _, end, _ = _sweep(prog, _durations(prog, costs, durations), _comm(prog, costs), schedule.num_devices)
+    return max(end, default=0.0)
 
 
 def simulate(
@@ -271,11 +282,9 @@ def simulate(
     prog = program(schedule)
     actions = prog.actions
     dur = _durations(prog, costs, durations)
-    n = len(actions)
+    comm = _comm(prog, costs)
+    starts, end, why = _sweep(prog, dur, comm, schedule.num_devices)
     num_dev = schedule.num_devices
-    starts = [0.0] * n
-    end = [0.0] * n
-    avail = [0.0] * n
     dev_free = [0.0] * num_dev
     busy = [0.0] * num_dev
     chan = [0.0] * len(prog.channel_dst)
@@ -283,18 +292,11 @@ def simulate(
     bubbles: list[Bubble] = []
     mem_events: list[list[tuple[float, float]]] = [[] for _ in range(num_dev)]
     for i, a in enumerate(actions):
-        d = prog.device[i]
-        ready, cause = dev_free[d], ""
-        for j in prog.local_deps[i]:
-            if end[j] > ready + _EPS:
-                ready, cause = end[j], str(actions[j])
-        for j in prog.remote_deps[i]:
-            if avail[j] > ready + _EPS:
-                ready, cause = avail[j], f"{actions[j]} via comm"
-        if ready > dev_free[d] + _EPS:
+        d, ready, w = prog.device[i], starts[i], why[i]
+        if w != -1:  # a dependency, not the device, set the start: the gap before it is a bubble
+            cause = str(actions[w]) if w >= 0 else f"{actions[-2 - w]} via comm"
             bubbles.append(Bubble(d, dev_free[d], ready - dev_free[d], str(a), cause))
-        starts[i], end[i] = ready, ready + dur[i]
-        avail[i] = dev_free[d] = end[i]
+        dev_free[d] = end[i]
         busy[d] += dur[i]
         if with_spans:
             spans.append(
@@ -308,22 +310,20 @@ def simulate(
         elif a.kind in (ActionKind.W, ActionKind.B):
             mem_events[d].append((end[i], -costs.act_bytes[a.stage]))
         c = prog.channel[i]
-        if c >= 0:
-            dur_c = costs.comm_time(prog.comm_stage[i])
+        if with_spans and c >= 0 and comm[i] > 0:  # replay the channel only for its spans
             t0 = max(end[i], chan[c])
-            chan[c] = avail[i] = t0 + dur_c
-            if with_spans and dur_c > 0:
-                dst = prog.channel_dst[c]
-                spans.append(
-                    Span(
-                        name=f"{a}->{dst}",
-                        start=t0,
-                        duration=dur_c,
-                        rank=d,
-                        stream=f"send to {dst}",
-                        category="comm",
-                    )
+            chan[c] = t0 + comm[i]
+            dst = prog.channel_dst[c]
+            spans.append(
+                Span(
+                    name=f"{a}->{dst}",
+                    start=t0,
+                    duration=comm[i],
+                    rank=d,
+                    stream=f"send to {dst}",
+                    category="comm",
                 )
+            )
     makespan_ = max(dev_free) if dev_free else 0.0
     for d in range(num_dev):
         if makespan_ - dev_free[d] > _EPS:

@@ -184,15 +184,8 @@ class SimContext:
     """The communication model (``SimJob(comm=True)``); speed vectors then carry link factors."""
     comm_share: float = 0.0
     """Fraction of the healthy step's stage time spent communicating (``effective_speeds``)."""
-    rescheduled_step_time: Callable[[ExecutionPlan, tuple[float, ...]], float] | None = field(
-        default=None, repr=False
-    )
-    """``step_time`` when each replica runs the best of 1F1B and deeper warm-ups (``rescheduled_time``);
-    None: the same as ``step_time``."""
-
-    def step_time_rescheduled(self, plan: ExecutionPlan, speeds: tuple[float, ...]) -> float:
-        f = self.rescheduled_step_time or self.step_time
-        return f(plan, speeds)
+    rescheduled_step_time: Callable[[ExecutionPlan, tuple[float, ...]], float] = field(repr=False)
+    """``step_time`` when each replica runs the best of 1F1B and deeper warm-ups (``rescheduled_time``)."""
 
 
 class Policy(Protocol):
@@ -375,6 +368,12 @@ def _make_step_time(
         return out
 
     return step_time
+
+
+def runs_slow(plan: ExecutionPlan, state: ClusterState) -> bool:
+    """Whether a detected slow device (or link) and no dead one runs in ``plan``: when rescheduling
+    pays (Adaptra's trigger; steptune's too)."""
+    return 0 < min(state.speeds[d] for g in plan.tp_groups for d in g) < 1.0
 
 
 def dp_sync_s(plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
@@ -698,12 +697,11 @@ class SteptunePolicy(ResiHPPolicy):
         ctx: SimContext,
     ) -> Decision:
         decision = super().on_step(t, step, observed, plan, state, ctx)
-        # Reschedule while a detected slow device (or link) runs in the plan, as Adaptra does.
-        self._adapted = 0 < min(state.speeds[d] for g in decision.plan.tp_groups for d in g) < 1.0
+        self._adapted = runs_slow(decision.plan, state)  # reschedule as Adaptra does
         return decision
 
     def _price(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
-        return ctx.step_time_rescheduled(plan, speeds)
+        return ctx.rescheduled_step_time(plan, speeds)
 
     def _more_candidates(
         self,
@@ -726,7 +724,7 @@ class SteptunePolicy(ResiHPPolicy):
 
     def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
         if self._adapted:
-            return ctx.step_time_rescheduled(plan, speeds)
+            return ctx.rescheduled_step_time(plan, speeds)
         return ctx.step_time(plan, speeds)
 
 
@@ -761,7 +759,7 @@ class Oracle(Memoized):
     def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
         key = (ctx.job, plan, tuple(speeds))
         if key not in self._prices:
-            prices = [ctx.step_time_rescheduled(plan, speeds)]
+            prices = [ctx.rescheduled_step_time(plan, speeds)]
             # Plans with uneven TP shares are steptune's alone; no baseline mechanism runs on them.
             if plan.tp_shares is None:
                 prices += [float(f(plan, speeds, ctx)) for f in self.extra_prices]

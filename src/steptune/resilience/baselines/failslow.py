@@ -23,6 +23,7 @@ from steptune.resilience.sim import (
     reconfig_cost,
     rescheduled_time,
     restart_plan,
+    runs_slow,
 )
 
 __all__ = ["Adaptra", "Greyhound", "MalleusLite", "Strengthened", "adaptra_step_time"]
@@ -160,7 +161,7 @@ class Adaptra:
     ) -> Decision:
         if _dead(plan, observed):
             return self._restart.on_step(t, step, observed, plan, state, ctx)
-        self._adapted = min(state.speeds[d] for g in plan.tp_groups for d in g) < 1.0  # incl. slow links
+        self._adapted = runs_slow(plan, state)  # incl. slow links
         return Decision(plan)
 
     def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
