@@ -310,12 +310,13 @@ def _run(args: argparse.Namespace) -> int:
               f"{tput['adapted'] / tput['unmitigated']:.2f}x unmitigated)")  # fmt: skip
         if faults:
             pred = res["simulated"] = predict_live(res)
-            for name in ("raw", "calibrated"):
+            for name in ("workload", "mean_microbatch", "calibrated"):
                 err = pred[name]["error"]
                 print(
                     f"simulator ({name}) vs measured: " + ", ".join(f"{k} {v:+.1%}" for k, v in err.items())
                 )
-            print(f"(calibrated: + {pred['calibrated_overhead_s']:.2f} s per step fitted on the healthy run)")
+            print(f"(workload: this run's own microbatches, nothing fitted; calibrated: + "
+                  f"{pred['calibrated_overhead_s']:.2f} s per step fitted on the healthy run)")  # fmt: skip
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(res, indent=2) + "\n")

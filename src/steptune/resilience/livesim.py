@@ -3,32 +3,54 @@
 ``predict_live(result)`` takes a ``live.compare``, ``pipelined.compare_pipelined`` or
 ``tensorpar.compare_tensor_parallel`` result and builds the simulator's job from the same spec: model,
 cluster, layout (TP groups run at k x the slowest member, communication free, as in the live TP job),
-microbatch count, and a representative packed
-microbatch (the mean tokens and mean sum of squared lengths over every microbatch the live run drew). It
-then simulates the healthy run (NoOp, no failure), the unmitigated run (NoOp with the fail-slow) and the
-adapted run (ResiHP with the live planner's settings).
+microbatch count. It then simulates the healthy run (NoOp, no failure), the unmitigated run (NoOp with the
+fail-slow) and the adapted run (ResiHP with the live planner's settings). Three predictions:
 
-The simulator leaves out what the live run pays on every step outside the pipeline: gradient sync, the
-optimizer, the runtime's own gather, and host overheads of the CPU emulation. Two predictions are
-therefore reported:
-- ``raw``: the simulator as it is (overhead 0).
-- ``calibrated``: one constant, the healthy run's measured step minus the simulated step, added to every
-  simulated step (``SimJob.step_overhead_s``). It is fitted on the healthy run only, so the errors of
-  the unmitigated and adapted predictions are out of sample.
+- ``workload``: every simulated step runs that step's own microbatches (``LiveWorkload``): the live
+  run's packed sequence lengths, assigned to replicas by the live job's rule, each block with the
+  emulation's lognormal device noise, pipelines as 1F1B over per-microbatch durations, plus the DP job's
+  emulated gradient all-reduce. Policies still plan with the mean microbatch. Nothing is fitted.
+- ``mean_microbatch``: every microbatch is the mean one (its mean tokens and mean sum of squared
+  lengths); steps cost the same. This is the bench's model, and it cannot see load imbalance between
+  replicas or the bubbles that uneven microbatches leave in a pipeline.
+- ``calibrated``: ``workload`` plus one constant per step (``SimJob.step_overhead_s``), the healthy run's
+  measured step minus the simulated one: what the live run pays outside the device model (the
+  runtime's gather, the real gloo messages, host overheads of the CPU emulation). It is fitted on the
+  healthy run only, so the unmitigated and adapted errors are out of sample.
+
 Errors are (predicted - measured) / measured over the same window of steps as the measured figures.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Any
 
-from steptune.resilience.live import global_batch
-from steptune.resilience.plan import ReconfigCosts
-from steptune.resilience.sim import FailureEvent, NoOp, ResiHPPolicy, SimJob, SimResult, run
-from steptune.resilience.workload import features
+import numpy as np
 
-__all__ = ["predict_live", "sim_job_for"]
+from steptune.pipeline.anchors import one_f_one_b
+from steptune.pipeline.costs import StageCosts
+from steptune.pipeline.schedule import Schedule
+from steptune.pipeline.simulate import makespan
+from steptune.resilience.live import allreduce_seconds, global_batch, stage_model
+from steptune.resilience.plan import ExecutionPlan, ReconfigCosts, plan_dp
+from steptune.resilience.runtime import RuntimeConfig, lpt_assign
+from steptune.resilience.sim import (
+    Decision,
+    FailureEvent,
+    NoOp,
+    Policy,
+    ResiHPPolicy,
+    SimContext,
+    SimJob,
+    SimResult,
+    StepTimeOf,
+    run,
+)
+from steptune.resilience.workload import StageModel, features
+
+__all__ = ["LiveWorkload", "predict_live", "sim_job_for"]
 
 _RUNS = ("healthy", "unmitigated", "adapted")
 
@@ -58,46 +80,222 @@ def sim_job_for(spec: dict[str, Any], ranks: int, overhead_s: float = 0.0) -> Si
     )
 
 
-def _window_rate(res: SimResult, job: SimJob, first: int, last: int) -> float:
-    rows = res.timeline[first:last]
-    if not rows:
-        raise ValueError(f"the simulation completed {len(res.timeline)} steps, fewer than {first + 1}")
-    return len(rows) * job.tokens_per_step / (rows[-1][0] + rows[-1][1] - rows[0][0])
+class LiveWorkload:
+    """The live job's steps as the simulator's truth (``sim.run(step_time_of=)``).
 
+    Step ``i`` runs the live run's own global batch ``i`` (``live.global_batch``). Each microbatch costs
+    what the emulation sleeps: the cost model's per-layer F and B+W seconds of its packed lengths, over
+    the device's true speed, times lognormal noise (the runtime's sigma; one draw per device, microbatch
+    and block, seeded by step, so every policy sees the same noise). Replicas get their microbatches by
+    the live job's rule, from the speeds the policy has detected (all ones for NoOp, whose live
+    counterpart does not adapt):
+    - DP (``live``): LPT over ranks (``runtime.lpt_assign``); the step adds the emulated all-reduce.
+    - PP (``pipelined``): ``plan_dp`` over each replica's modelled throughput and fill
+      (``pipelined.replica_rates``); each replica runs 1F1B over per-microbatch F and B+W durations.
+    - TP (``tensorpar``): ``plan_dp`` over k x the slowest member's speed; a microbatch lasts as long as
+      the group's slowest member (the group meets before each one).
+    """
 
-def _simulate(job: SimJob, spec: dict[str, Any], healthy_step_s: float, first: int) -> dict[str, float]:
-    steps = int(spec.get("steps", 60))
-    faults = spec.get("faults") or []
-    failures = [
-        FailureEvent(
-            kind="fail-slow",
-            device=int(f["rank"]),
-            start_s=int(f["start"]) * healthy_step_s,
-            duration_s=int(f["duration"]) * healthy_step_s if f.get("duration") else float("inf"),
-            factor=1.0 / float(f["factor"]),
+    def __init__(self, spec: dict[str, Any], ranks: int) -> None:
+        self.spec = spec
+        self.seed = int(spec.get("seed", 0))
+        self.pp, self.tp = int(spec.get("pp", 1)), int(spec.get("tp", 1))
+        self.ranks = ranks
+        full = stage_model(spec.get("model", "llama3.1-8b"), spec.get("cluster", "dgx-h100"))
+        rate = full.device.peak_flops * full.efficiency
+        coef = {
+            ph: np.array([StageModel(layers=(x,), device=full.device).coefficients(ph) for x in full.layers])
+            / rate
+            for ph in "FBW"
+        }
+        self._f = coef["F"]  # (layers, 2): seconds per token and per token^2 of a sequence
+        self._bw = coef["B"] + coef["W"]
+        self.sync_s = allreduce_seconds(spec, ranks) if self.pp == self.tp == 1 else 0.0
+        self.sigma = RuntimeConfig().noise_sigma
+        self._layer_costs: tuple[float, ...] | None = None
+        if self.pp > 1:
+            from steptune.resilience.pipelined import planner_layer_costs
+
+            self._layer_costs = planner_layer_costs(spec, full)
+        self._cache: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _step(self, step: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, per-microbatch per-layer F seconds, B+W seconds, noise[device, microbatch, block])."""
+        if step not in self._cache:
+            mbs = global_batch(self.seed, step, self.spec)[0]
+            feats = np.array([features(mb) for mb in mbs], dtype=float)
+            rng = np.random.default_rng((self.seed, step, 0x5EED))
+            noise = rng.lognormal(0.0, self.sigma, size=(self.ranks, len(mbs), 2))
+            self._cache[step] = (sum(sum(mb) for mb in mbs), feats @ self._f.T, feats @ self._bw.T, noise)
+        return self._cache[step]
+
+    def tokens(self, step: int) -> int:
+        return self._step(step)[0]
+
+    def step_time(
+        self, step: int, plan: ExecutionPlan, truth: tuple[float, ...], speeds: tuple[float, ...]
+    ) -> float:
+        """Seconds of step ``step`` under ``plan`` at ``truth`` speeds, assigned by detected ``speeds``."""
+        _, f, bw, noise = self._step(step)
+        cost = (f + bw).sum(axis=1)  # whole-model F+B+W seconds per microbatch
+        if self.pp == 1 and self.tp == 1:
+            assignment = lpt_assign(list(cost), [speeds[g[0]] for g in plan.tp_groups])
+        elif self.pp == 1:
+            rates = [len(g) * min(speeds[d] for d in g) for g in plan.tp_groups]
+            assignment = plan_dp(list(cost), rates)
+        else:
+            from steptune.resilience.pipelined import replica_rates
+
+            assert self._layer_costs is not None
+            rates, base = replica_rates(plan, self._layer_costs, speeds, self.pp)
+            assignment = plan_dp(list(cost), rates, base=base)
+        out = max(
+            (self._replica(plan, r, mine, f, bw, noise, truth) for r, mine in enumerate(assignment) if mine),
+            default=0.0,
         )
-        for f in faults
-    ]
-    duration = healthy_step_s * steps * 3.0  # long enough for every step of the slowest run
-    adapted = ResiHPPolicy(
-        detect_slow_steps=2.0,
-        expected_slow_s=float(spec.get("expected_slow_s", 24 * 60.0)),
-        per_replica_partitions=bool(spec.get("per_replica_partitions", True)),
-    )
-    runs = {
-        "healthy": run(job, NoOp(), [], duration),
-        "unmitigated": run(job, NoOp(), failures, duration),
-        "adapted": run(job, adapted, failures, duration),
+        return out + self.sync_s
+
+    def _replica(
+        self,
+        plan: ExecutionPlan,
+        r: int,
+        mine: list[int],
+        f: np.ndarray,
+        bw: np.ndarray,
+        noise: np.ndarray,
+        truth: tuple[float, ...],
+    ) -> float:
+        ns = plan.num_stages
+
+        def on_group(g: tuple[int, ...], secs: float, j: int, phase: int) -> float:
+            # Equal shares of the block; the group waits for its slowest member.
+            return max(secs / len(g) / truth[d] * float(noise[d, j, phase]) for d in g)
+
+        if ns == 1:  # one timed block (F+B+W) per microbatch
+            g = plan.group(r, 0)
+            return sum(on_group(g, float(f[j].sum() + bw[j].sum()), j, 0) for j in mine)
+        bounds = np.cumsum((0, *plan.layer_partition[r]))
+
+        def block(stage: int, j: int, phase: int) -> float:
+            lo, hi = bounds[stage], bounds[stage + 1]
+            return on_group(plan.group(r, stage), float((f if phase == 0 else bw)[j, lo:hi].sum()), j, phase)
+
+        zero = (0.0,) * ns
+        unit = (1.0,) * ns  # only the schedule's links and shape matter: durations give every block
+        costs = StageCosts(f=unit, i=unit, w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
+        return makespan(
+            _one_f_one_b(ns, len(mine)),
+            costs,
+            durations=lambda a: block(a.stage, mine[a.microbatch], 0 if a.kind.value == "F" else 1),
+        )
+
+    def for_policy(self, policy: Policy) -> tuple[Policy, StepTimeOf]:
+        """``policy`` wrapped to record the speeds it detects, and the matching ``step_time_of``."""
+        watched = _Watched(policy, adapts=not isinstance(policy, NoOp), devices=self.ranks)
+        return watched, lambda step, plan, truth: self.step_time(step, plan, truth, watched.speeds())
+
+
+@functools.lru_cache(maxsize=64)
+def _one_f_one_b(num_stages: int, m: int) -> Schedule:
+    """One schedule object per shape, so ``makespan`` compiles it once."""
+    return one_f_one_b(num_stages, m)
+
+
+class _Watched:
+    """A policy that remembers the speeds it last saw: the live runtime assigns by its detected speeds."""
+
+    def __init__(self, policy: Policy, *, adapts: bool, devices: int) -> None:
+        self._policy = policy
+        self._adapts = adapts
+        self._ones = (1.0,) * devices
+        self._seen = self._ones
+        self.name = policy.name
+        self.detect_stop_steps = policy.detect_stop_steps
+        self.detect_slow_steps = policy.detect_slow_steps
+
+    def __getattr__(self, name: str) -> Any:  # detection delays, reset, ...: the wrapped policy's
+        return getattr(self._policy, name)
+
+    def speeds(self) -> tuple[float, ...]:
+        return self._seen if self._adapts else self._ones
+
+    def on_step(
+        self,
+        t: float,
+        step: int,
+        observed: tuple[float, ...],
+        plan: ExecutionPlan,
+        state: Any,
+        ctx: SimContext,
+    ) -> Decision:
+        self._seen = tuple(state.speeds)
+        return self._policy.on_step(t, step, observed, plan, state, ctx)
+
+
+def _window(res: SimResult, first: int, last: int, tokens: list[int]) -> float:
+    rows = res.timeline[first:last]
+    if len(rows) < last - first:
+        raise ValueError(f"the simulation completed {len(res.timeline)} steps, fewer than {last}")
+    return sum(tokens[first:last]) / (rows[-1][0] + rows[-1][1] - rows[0][0])
+
+
+def _failures(spec: dict[str, Any], step_start: list[float]) -> list[FailureEvent]:
+    """The live faults at the simulated start time of their steps (``step_start[i]``: step i's start)."""
+    out = []
+    for f in spec.get("faults") or []:
+        start = int(f["start"])
+        end = start + int(f["duration"]) if f.get("duration") else len(step_start)
+        end = min(end, len(step_start))
+        out.append(
+            FailureEvent(
+                kind="fail-slow",
+                device=int(f["rank"]),
+                start_s=step_start[start],
+                duration_s=step_start[end] - step_start[start] if end < len(step_start) else float("inf"),
+                factor=1.0 / float(f["factor"]),
+            )
+        )
+    return out
+
+
+def _policies(spec: dict[str, Any]) -> dict[str, Policy]:
+    return {
+        "healthy": NoOp(),
+        "unmitigated": NoOp(),
+        "adapted": ResiHPPolicy(
+            detect_slow_steps=2.0,
+            expected_slow_s=float(spec.get("expected_slow_s", 24 * 60.0)),
+            per_replica_partitions=bool(spec.get("per_replica_partitions", True)),
+        ),
     }
-    return {k: _window_rate(r, job, first, steps) for k, r in runs.items()}
 
 
-def _one_step(job: SimJob) -> float:
-    """The simulated healthy step time of ``job``."""
+def _simulate(
+    job: SimJob, spec: dict[str, Any], first: int, workload: LiveWorkload | None
+) -> tuple[dict[str, float], float]:
+    """Tokens/s of the three runs over steps [first, steps), and the simulated healthy step (window mean)."""
+    steps = int(spec.get("steps", 60))
+    policies = _policies(spec)
+    tokens = [workload.tokens(i) if workload else job.tokens_per_step for i in range(steps)]
+
+    def one(name: str, failures: list[FailureEvent], horizon: float) -> SimResult:
+        policy = policies[name]
+        if workload is None:
+            return run(job, policy, failures, horizon)
+        watched, step_time_of = workload.for_policy(policy)
+        return run(job, watched, failures, horizon, step_time_of=step_time_of)
+
     horizon = 1.0
-    while not (res := run(job, NoOp(), [], horizon)).timeline:
-        horizon *= 4.0
-    return res.timeline[0][1]
+    while len((healthy := one("healthy", [], horizon)).timeline) < steps + 1:
+        horizon *= 2.0
+    starts = [row[0] for row in healthy.timeline]
+    failures = _failures(spec, starts)
+    horizon *= 3.0  # long enough for every step of the slowest run
+    runs = {"healthy": healthy, **{k: one(k, failures, horizon) for k in ("unmitigated", "adapted")}}
+    window = healthy.timeline[first:steps]
+    return {k: _window(r, first, steps, tokens) for k, r in runs.items()}, statistics.fmean(
+        x[1] for x in window
+    )
 
 
 def predict_live(result: dict[str, Any]) -> dict[str, Any]:
@@ -107,21 +305,22 @@ def predict_live(result: dict[str, Any]) -> dict[str, Any]:
     measured = result["throughput_tokens_per_s"]
     healthy_rows = [r for r in result["runs"]["healthy"] if r["step"] >= first]
     measured_step = sum(r["wall_s"] for r in healthy_rows) / len(healthy_rows)
-    raw_job = sim_job_for(spec, ranks)
-    raw_healthy_step = _one_step(raw_job)
-    overhead = max(0.0, measured_step - raw_healthy_step)
+    workload = LiveWorkload(spec, ranks)
+    job = sim_job_for(spec, ranks)
+    preds = {}
+    preds["workload"], sim_step = _simulate(job, spec, first, workload)
+    preds["mean_microbatch"], mean_step = _simulate(job, spec, first, None)
+    overhead = max(0.0, measured_step - sim_step)
+    preds["calibrated"], _ = _simulate(sim_job_for(spec, ranks, overhead), spec, first, workload)
     out: dict[str, Any] = {
         "window_from_step": first,
         "measured_tokens_per_s": dict(measured),
-        "simulated_healthy_step_s": raw_healthy_step,
         "measured_healthy_step_s": measured_step,
+        "simulated_healthy_step_s": sim_step,
+        "mean_microbatch_healthy_step_s": mean_step,
         "calibrated_overhead_s": overhead,
     }
-    for name, job, step in (
-        ("raw", raw_job, raw_healthy_step),
-        ("calibrated", sim_job_for(spec, ranks, overhead), raw_healthy_step + overhead),
-    ):
-        pred = _simulate(job, spec, step, first)
+    for name, pred in preds.items():
         out[name] = {
             "tokens_per_s": pred,
             "error": {k: (pred[k] - measured[k]) / measured[k] for k in _RUNS},

@@ -57,6 +57,8 @@ __all__ = [
     "one_f_one_b_order",
     "parse_layout",
     "pipelined_rank",
+    "planner_layer_costs",
+    "replica_rates",
     "run_pipelined",
     "run_stage",
 ]
@@ -174,7 +176,7 @@ def _moves(old: ExecutionPlan, new: ExecutionPlan, pp: int) -> list[tuple[int, i
     return out
 
 
-def _replica_rates(
+def replica_rates(
     plan: ExecutionPlan, layer_costs: Sequence[float], speeds: Sequence[float], pp: int
 ) -> tuple[list[float], list[float]]:
     """Per replica: throughput (microbatch cost units per second) and pipeline fill (seconds), modelled."""
@@ -185,6 +187,18 @@ def _replica_rates(
         rates.append(1.0 / max(t))
         base.append(total * (sum(t) - max(t)))
     return rates, base
+
+
+def planner_layer_costs(spec: dict[str, Any], full: StageModel) -> tuple[float, ...]:
+    """The live planner's per-layer F+B+W seconds: one sequence as long as step 0's mean microbatch. It
+    overweights attention against packed microbatches, but the split only depends on relative layer
+    costs, and every block is the same layer."""
+    mbs0, _ = global_batch(int(spec.get("seed", 0)), 0, spec)
+    ref = [round(sum(features(mb)[0] for mb in mbs0) / len(mbs0))]
+    return tuple(
+        max(sum(StageModel(layers=(x,), device=full.device).time(ref, p) for p in "FBW"), 1e-9)
+        for x in full.layers
+    )
 
 
 def pipelined_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -202,15 +216,7 @@ def pipelined_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any
     param_layer = [i for i, m in enumerate(layers) for _ in m.parameters()]
     opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
     me = _Stage(rank, group, layers, opt)
-    mbs0, _ = global_batch(seed, 0, spec)
-    # Planner layer costs: one sequence as long as step 0's mean microbatch. It overweights attention
-    # against packed microbatches, but the split only depends on relative layer costs, and every
-    # block is the same layer.
-    ref = [round(sum(features(mb)[0] for mb in mbs0) / len(mbs0))]
-    layer_costs = tuple(
-        max(sum(StageModel(layers=(x,), device=full.device).time(ref, p) for p in "FBW"), 1e-9)
-        for x in full.layers
-    )
+    layer_costs = planner_layer_costs(spec, full)
     link = link_bandwidth(spec.get("cluster", "dgx-h100"), dp * pp)
 
     def state(speeds: Sequence[float]) -> ClusterState:
@@ -228,7 +234,7 @@ def pipelined_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any
     for step in range(steps):
         mbs, tokens = global_batch(seed, step, spec)
         total = sum(t.shape[1] - 1 for t in tokens)
-        rates, base = _replica_rates(plan, layer_costs, rt.speeds, pp)
+        rates, base = replica_rates(plan, layer_costs, rt.speeds, pp)
         assignment = plan_dp([rt.cost(mb) for mb in mbs], rates, base=base)
         mine = assignment[replica]
         part = StageModel(layers=tuple(full.layers[i] for i in me.owned), device=full.device)

@@ -74,6 +74,7 @@ __all__ = [
     "SimJob",
     "SimResult",
     "StepTimeHook",
+    "StepTimeOf",
     "SteptunePolicy",
     "dp_sync_s",
     "improve_counts",
@@ -808,11 +809,30 @@ def _speeds(
     return out
 
 
+StepTimeOf = Callable[[int, ExecutionPlan, tuple[float, ...]], float]
+"""``(step, plan, true speeds) -> seconds``: a workload whose steps differ (``run(step_time_of=)``)."""
+
+
 def run(
-    job: SimJob, policy: Policy, failures: tuple[FailureEvent, ...] | list[FailureEvent], duration_s: float
+    job: SimJob,
+    policy: Policy,
+    failures: tuple[FailureEvent, ...] | list[FailureEvent],
+    duration_s: float,
+    *,
+    step_time_of: StepTimeOf | None = None,
 ) -> SimResult:
-    """Simulate ``duration_s`` seconds of ``job`` under ``failures`` with ``policy`` deciding recoveries."""
+    """Simulate ``duration_s`` seconds of ``job`` under ``failures`` with ``policy`` deciding recoveries.
+
+    ``step_time_of``: the true seconds of each step when the workload varies from step to step (the
+    live jobs' own microbatches, ``livesim.LiveWorkload``); policies still plan with the job's mean
+    microbatch, as a planner that cannot see the next batch would. None: every step costs the cost
+    model's time."""
     failures = tuple(failures)
+    if step_time_of is not None and getattr(policy, "step_time", None) is not None:
+        raise ValueError(
+            f"policy {policy.name!r} prices its own steps (rerouting, rescheduling); step_time_of cannot "
+            "replace that price: run it without step_time_of"
+        )
     n = job.num_devices
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
@@ -892,6 +912,8 @@ def run(
             halted += min(resume, duration_s) - t
             t = resume
             continue
+        if step_time_of is not None:
+            st = step_time_of(steps, plan, truth)
         in_plan = {d for g in plan.tp_groups for d in g}
         abort = min(
             (
