@@ -66,3 +66,18 @@ def test_python_dash_m_entry():
         [sys.executable, "-m", "steptune", "--version"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0 and r.stdout.startswith("steptune ")
+
+
+def test_resilience_simulate_help_names_every_policy_and_scenario_kind(capsys):
+    from steptune.resilience.bench import POLICIES
+    from steptune.resilience.scenarios import KINDS
+
+    with pytest.raises(SystemExit):
+        main(["resilience", "simulate", "--help"])
+    out = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps at hyphens
+    for name in POLICIES:
+        assert name in out, name
+    for kind in KINDS:
+        if kind.startswith("fail-slow-") and kind != "fail-slow-link":
+            kind = kind.removeprefix("fail-slow-")  # written as fail-slow-weak|medium|strong
+        assert kind in out, kind

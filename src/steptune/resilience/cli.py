@@ -489,12 +489,12 @@ def register(sub: Any) -> None:
         "--scenario",
         default="mixed",
         help="a CSV trace (kind,device,start_s,duration_s,factor) "
-        "or a generated kind: fail-stop, fail-slow-weak|medium|strong, mixed",
+        "or a generated kind: fail-stop, fail-slow-weak|medium|strong, fail-slow-link, mixed",
     )
     sim.add_argument(
         "--policy",
         default="all",
-        help="all, or one of resihp, recycle, oobleck, greyhound, "
+        help="all, or one of resihp, steptune, recycle, oobleck, greyhound, "
         "adaptra, strengthened-recycle, strengthened-oobleck, malleus-lite, ckpt-restart, noop, oracle",
     )
     sim.add_argument("--model", default="llama2-13b")
