@@ -81,3 +81,27 @@ def test_resilience_simulate_help_names_every_policy_and_scenario_kind(capsys):
         if kind.startswith("fail-slow-") and kind != "fail-slow-link":
             kind = kind.removeprefix("fail-slow-")  # written as fail-slow-weak|medium|strong
         assert kind in out, kind
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--inject", "slow:rank=1,factor=0.5,at=3"], "factor is a slowdown, >= 1"),
+        (["--inject", "slow:rank=x,factor=2,at=3"], "whole numbers"),
+        (["--inject", "slow:rank=1,factor=2,at=3,for=0"], "for >= 1"),
+        (["--inject", "slow:rank=9,factor=2,at=3"], "outside 0..3"),
+        (["--inject", "slow:rank=1"], "expected slow:rank=R,factor=F,at=S"),
+        (["--layout", "dp=2,pp=2", "--ranks", "3"], "needs dp*pp*tp = 4 ranks"),
+    ],
+)
+def test_resilience_run_rejects_bad_input_before_spawning(argv, message, capsys):
+    assert main(["resilience", "run", "--steps", "2", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--time-scale", "-1"], ["--time-scale", "inf"]])
+def test_resilience_run_rejects_bad_numbers(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["resilience", "run", *argv])
+    assert info.value.code == 2
+    assert "must be" in capsys.readouterr().err

@@ -232,6 +232,26 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text}")
+    return value
+
+
 def _parse_inject(spec: str) -> dict[str, Any]:
     """``slow:...`` (a slow device) or ``slow-link:...`` (a slow network link); ``kind`` says which."""
     kind, _, rest = spec.partition(":")
@@ -244,10 +264,25 @@ def _parse_inject(spec: str) -> dict[str, Any]:
     unknown = sorted(set(kv) - {"rank", "factor", "at", "for"})
     if unknown or not {"rank", "factor", "at"} <= set(kv):
         raise ValueError(f"--inject {spec!r}: expected {kind}:rank=R,factor=F,at=S[,for=D]")
-    fault: dict[str, Any] = {"rank": int(kv["rank"]), "factor": float(kv["factor"]), "start": int(kv["at"])}
+    try:
+        fault: dict[str, Any] = {
+            "rank": int(kv["rank"]),
+            "factor": float(kv["factor"]),
+            "start": int(kv["at"]),
+        }
+        if "for" in kv:
+            fault["duration"] = int(kv["for"])
+    except ValueError:
+        raise ValueError(
+            f"--inject {spec!r}: rank, at and for are whole numbers (steps), factor a number"
+        ) from None
+    if not 1.0 <= fault["factor"] < float("inf"):
+        raise ValueError(
+            f"--inject {spec!r}: factor is a slowdown, >= 1 (1.6: 1.6x slower), got {kv['factor']}"
+        )
+    if fault["start"] < 0 or fault.get("duration", 1) < 1:
+        raise ValueError(f"--inject {spec!r}: at must be >= 0 and for >= 1 (steps)")
     fault["kind"] = kind
-    if "for" in kv:
-        fault["duration"] = int(kv["for"])
     return fault
 
 
@@ -398,11 +433,11 @@ def register(sub: Any) -> None:
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     d = verbs.add_parser("detect", help="score detectors on simulated runs with injected failures")
     d.add_argument("--model", default="llama2-7b")
-    d.add_argument("--pp", type=int, default=4)
-    d.add_argument("--dp", type=int, default=4)
+    d.add_argument("--pp", type=_positive_int, default=4)
+    d.add_argument("--dp", type=_positive_int, default=4)
     d.add_argument("--lengths", default="code", help="length distribution preset (code, chat, uniform)")
-    d.add_argument("--runs", type=int, default=20)
-    d.add_argument("--steps", type=int, default=80)
+    d.add_argument("--runs", type=_positive_int, default=20)
+    d.add_argument("--steps", type=_positive_int, default=80)
     d.add_argument("--factor", type=float, default=1.25, help="injected fail-slow factor")
     d.add_argument("--json", type=Path, default=None)
     d.set_defaults(func=_detect)
@@ -417,7 +452,7 @@ def register(sub: Any) -> None:
         "--compare runs healthy, unmitigated and adapted with the "
         "same seeds and the simulator's prediction of each.",
     )
-    run.add_argument("--ranks", type=int, default=4)
+    run.add_argument("--ranks", type=_positive_int, default=4)
     run.add_argument(
         "--layout",
         default="dp=4",
@@ -429,13 +464,15 @@ def register(sub: Any) -> None:
         default=[],
         help="slow:rank=R,factor=F,at=S[,for=D] (a device) or slow-link:... (rank R's link; DP layout)",
     )
-    run.add_argument("--steps", type=int, default=80)
+    run.add_argument("--steps", type=_positive_int, default=80)
     run.add_argument(
         "--time-scale",
-        type=float,
+        type=_positive_float,
         default=None,
         help="wall seconds per emulated device second (default 0.02 for dp, 0.05 with pp or tp > 1: a "
-        "stage's 17 real blocks, or a TP member's gloo messages, must stay well inside the emulated time)",
+        "stage's 17 real blocks, or a TP member's gloo messages, must stay well inside the emulated time; "
+        "0.1 keeps the emulation's host time under 5%% of a step, where the simulator's prediction is "
+        "checked)",
     )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument(
@@ -471,13 +508,13 @@ def register(sub: Any) -> None:
         help="dp=2,pp=2 or dp=2,tp=2: the dead rank's layers / TP units come back from a DP peer "
         "(TP: no restart run)",
     )
-    fs.add_argument("--steps", type=int, default=20)
+    fs.add_argument("--steps", type=_positive_int, default=20)
     fs.add_argument("--kill-rank", type=int, default=2)
     fs.add_argument("--kill-step", type=int, default=11)
     fs.add_argument(
-        "--checkpoint-every", type=int, default=5, help="the restart baseline's checkpoint interval"
+        "--checkpoint-every", type=_positive_int, default=5, help="the restart baseline's checkpoint interval"
     )
-    fs.add_argument("--time-scale", type=float, default=0.01)
+    fs.add_argument("--time-scale", type=_positive_float, default=0.01)
     fs.add_argument("--seed", type=int, default=0)
     fs.add_argument("--json", type=Path, default=None)
     fs.set_defaults(func=_failstop)
