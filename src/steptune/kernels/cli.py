@@ -211,8 +211,11 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "kernels",
         help="SpecGen: kernel problems, a sandboxed validation/profiling pool, LLM client and replay server",
-        description="SpecGen: agentic kernel optimization. Built: problems, the evaluation pool, the LLM "
-        "client and the trace-replay server (issue #11). Not built yet: speculative orchestration (#12).",
+        description="SpecGen: agentic kernel optimization. Problems, a sandboxed evaluation pool, an "
+        "OpenAI-compatible LLM client and a trace-replay server (issue #11); the search loop with "
+        "speculative generation (policy specgen, against sequential, parallel and early_exit), the elastic "
+        "allocator and the KV tier (issue #12). `bench --lane sim|cpu` compares the policies "
+        "(docs/kernels.md).",
     )
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     lp = verbs.add_parser("problems", help="list the built-in CPU problems")
@@ -253,7 +256,8 @@ def register(sub: Any) -> None:
     op.set_defaults(func=_optimize)
     be = verbs.add_parser(
         "bench",
-        help="profile the fast and slow C examples repeatedly: does profiling tell them apart?",
+        help="--lane examples: can profiling tell the fast and slow C examples apart? --lane sim|cpu: the "
+        "search policies side by side (SpecGen vs sequential, parallel, early exit)",
     )
     be.add_argument(
         "--lane",

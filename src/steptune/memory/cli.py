@@ -137,8 +137,9 @@ def register(sub: Any) -> None:
         help="TapeSAC: dispatcher-tape activation checkpointing (replay only what backward reads)",
         description=(
             "TapeSAC records each block's forward at the dispatcher and, in backward, replays only the "
-            "producers of the values autograd reads. The memory-aware planner (plan, pareto, bench) is "
-            "issue #4: plan, bench and pareto are built; PyTorch's auto-SAC anchor is not yet."
+            "producers of the values autograd reads. The memory-aware planner (plan) picks what to save "
+            "under a step-peak limit; bench and pareto measure it against torch's checkpointing, "
+            "torchtitan's op-level SAC, HF every_n_layers, Megatron and PyTorch's auto-SAC (docs/memory.md)."
         ),
     )
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)

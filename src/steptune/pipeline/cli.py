@@ -206,7 +206,8 @@ def register(sub: Any) -> None:
         "pipeline",
         help="OctoPipe: pipeline simulator, bubble-aware co-tuner, anchor schedules",
         description="OctoPipe: simulate pipeline schedules and co-tune partition, placement and "
-        "schedule for heterogeneous models. All times are simulated (docs/pipeline.md).",
+        "schedule for heterogeneous models. tune, simulate and bench times are simulated; run measures "
+        "real ranks (docs/pipeline.md).",
     )
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
 
