@@ -92,6 +92,7 @@ def test_resilience_simulate_help_names_every_policy_and_scenario_kind(capsys):
         (["--inject", "slow:rank=9,factor=2,at=3"], "outside 0..3"),
         (["--inject", "slow:rank=1"], "expected slow:rank=R,factor=F,at=S"),
         (["--layout", "dp=2,pp=2", "--ranks", "3"], "needs dp*pp*tp = 4 ranks"),
+        (["--plot", "x.png"], "add --compare"),
     ],
 )
 def test_resilience_run_rejects_bad_input_before_spawning(argv, message, capsys):

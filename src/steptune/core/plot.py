@@ -8,7 +8,7 @@ from typing import Any
 
 from steptune.core.trace import Span
 
-__all__ = ["bars", "gantt", "lines", "pareto"]
+__all__ = ["bars", "gantt", "lines", "pareto", "timelines"]
 
 
 def _pyplot() -> Any:
@@ -127,5 +127,48 @@ def lines(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def timelines(
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    path: str | Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    dashed: dict[str, str] | None = None,
+    marks: dict[str, float] | None = None,
+    ylim: tuple[float, float] | None = None,
+) -> Path:
+    """One line per named series, each ``(xs, ys)``. ``dashed`` maps a series to the series whose colour it
+    takes, drawn dashed (a prediction next to its measurement); ``marks`` are labelled vertical lines (an
+    event at x); ``ylim`` clips the y axis (e.g. to leave a warm-up outlier off the chart)."""
+    dashed = dashed or {}
+    for name, (xs, ys) in series.items():
+        if len(xs) != len(ys):
+            raise ValueError(f"series {name!r} has {len(ys)} values for {len(xs)} x values")
+    for name, like in dashed.items():
+        if name not in series or like not in series or like in dashed:
+            raise ValueError(f"dashed series {name!r} must follow a solid series in the plot, got {like!r}")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colour: dict[str, Any] = {}
+    for name, (xs, ys) in series.items():
+        if name not in dashed:
+            (line,) = ax.plot(list(xs), list(ys), label=name, linewidth=1.2)
+            colour[name] = line.get_color()
+    for name, like in dashed.items():
+        xs, ys = series[name]
+        ax.plot(list(xs), list(ys), label=name, linestyle="--", linewidth=1.0, color=colour[like])
+    for k, (label, x) in enumerate((marks or {}).items()):
+        ax.axvline(x, color="gray", linestyle=":" if k % 2 else "-.", linewidth=1.0, label=label)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)

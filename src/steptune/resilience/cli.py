@@ -292,6 +292,8 @@ def _run(args: argparse.Namespace) -> int:
     from steptune.resilience.pipelined import compare_pipelined, parse_layout, run_pipelined
     from steptune.resilience.tensorpar import compare_tensor_parallel, run_tensor_parallel
 
+    if (args.json or args.plot) and not args.compare:
+        raise ValueError("--json and --plot write the --compare results: add --compare")
     dp, pp, tp = parse_layout(args.layout)
     if dp * pp * tp != args.ranks:
         raise ValueError(
@@ -352,6 +354,13 @@ def _run(args: argparse.Namespace) -> int:
                 )
             print(f"(workload: this run's own microbatches, nothing fitted; calibrated: + "
                   f"{pred['calibrated_overhead_s']:.2f} s per step fitted on the healthy run)")  # fmt: skip
+            steps = pred["workload"]["per_step"]
+            print("per step (workload): " + ", ".join(
+                f"{k} MAPE {v['mape']:.1%} r={v['corr']:.2f}" for k, v in steps.items()))  # fmt: skip
+        if args.plot:
+            from steptune.resilience.livesim import plot_live
+
+            print(f"wrote: {plot_live(res, args.plot)}")
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(res, indent=2) + "\n")
@@ -492,6 +501,12 @@ def register(sub: Any) -> None:
     run.add_argument("--no-adapt", action="store_true", help="detect only (the unmitigated baseline)")
     run.add_argument("--compare", action="store_true", help="healthy vs unmitigated vs adapted, same seeds")
     run.add_argument("--json", type=Path, default=None, help="with --compare: write the results here")
+    run.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="with --compare: a PNG of each run's step time, measured and as the simulator predicts it",
+    )
     run.set_defaults(func=_run)
     fs = verbs.add_parser(
         "failstop",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,9 +51,11 @@ from steptune.resilience.sim import (
 )
 from steptune.resilience.workload import StageModel, features
 
-__all__ = ["LiveWorkload", "predict_live", "sim_job_for"]
+__all__ = ["LiveWorkload", "plot_live", "predict_live", "sim_job_for"]
 
 _RUNS = ("healthy", "unmitigated", "adapted")
+_WARMUP = 5
+"""Steps a plot's y axis ignores (the live runs' first steps pay process and allocator warm-up)."""
 
 
 def sim_job_for(spec: dict[str, Any], ranks: int, overhead_s: float = 0.0) -> SimJob:
@@ -272,8 +275,9 @@ def _policies(spec: dict[str, Any]) -> dict[str, Policy]:
 
 def _simulate(
     job: SimJob, spec: dict[str, Any], first: int, workload: LiveWorkload | None
-) -> tuple[dict[str, float], float]:
-    """Tokens/s of the three runs over steps [first, steps), and the simulated healthy step (window mean)."""
+) -> tuple[dict[str, float], float, dict[str, list[float]]]:
+    """Tokens/s of the three runs over steps [first, steps), the simulated healthy step (window mean), and
+    each run's simulated step times by step index."""
     steps = int(spec.get("steps", 60))
     policies = _policies(spec)
     tokens = [workload.tokens(i) if workload else job.tokens_per_step for i in range(steps)]
@@ -292,10 +296,9 @@ def _simulate(
     failures = _failures(spec, starts)
     horizon *= 3.0  # long enough for every step of the slowest run
     runs = {"healthy": healthy, **{k: one(k, failures, horizon) for k in ("unmitigated", "adapted")}}
-    window = healthy.timeline[first:steps]
-    return {k: _window(r, first, steps, tokens) for k, r in runs.items()}, statistics.fmean(
-        x[1] for x in window
-    )
+    rates = {k: _window(r, first, steps, tokens) for k, r in runs.items()}
+    step_s = {k: [row[1] for row in r.timeline[:steps]] for k, r in runs.items()}
+    return rates, statistics.fmean(step_s["healthy"][first:]), step_s
 
 
 def predict_live(result: dict[str, Any]) -> dict[str, Any]:
@@ -308,10 +311,10 @@ def predict_live(result: dict[str, Any]) -> dict[str, Any]:
     workload = LiveWorkload(spec, ranks)
     job = sim_job_for(spec, ranks)
     preds = {}
-    preds["workload"], sim_step = _simulate(job, spec, first, workload)
-    preds["mean_microbatch"], mean_step = _simulate(job, spec, first, None)
+    preds["workload"], sim_step, step_s = _simulate(job, spec, first, workload)
+    preds["mean_microbatch"], mean_step, _ = _simulate(job, spec, first, None)
     overhead = max(0.0, measured_step - sim_step)
-    preds["calibrated"], _ = _simulate(sim_job_for(spec, ranks, overhead), spec, first, workload)
+    preds["calibrated"], _, _ = _simulate(sim_job_for(spec, ranks, overhead), spec, first, workload)
     out: dict[str, Any] = {
         "window_from_step": first,
         "measured_tokens_per_s": dict(measured),
@@ -325,4 +328,53 @@ def predict_live(result: dict[str, Any]) -> dict[str, Any]:
             "tokens_per_s": pred,
             "error": {k: (pred[k] - measured[k]) / measured[k] for k in _RUNS},
         }
+    out["workload"]["step_s"] = step_s
+    out["workload"]["per_step"] = {k: _per_step(step_s[k], result["runs"][k], first) for k in _RUNS}
     return out
+
+
+def _per_step(simulated: list[float], rows: list[dict[str, Any]], first: int) -> dict[str, float]:
+    """Step-by-step agreement over the window: mean absolute percentage error and Pearson correlation of
+    the simulated step times against the measured ones (how well the model follows the batch-to-batch
+    variation, not only the mean)."""
+    pairs = [(simulated[r["step"]], r["wall_s"]) for r in rows if first <= r["step"] < len(simulated)]
+    sim, meas = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+    corr = float(np.corrcoef(sim, meas)[0, 1]) if len(pairs) > 2 and sim.std() > 0 and meas.std() > 0 else 0.0
+    return {"steps": len(pairs), "mape": float(np.mean(np.abs(sim - meas) / meas)), "corr": corr}
+
+
+def plot_live(result: dict[str, Any], path: str | Path) -> Path:
+    """Measured step time per step of each run (solid) and the workload model's prediction (dashed), with
+    the fault's onset and its detection marked. ``result``: a ``--compare`` result with ``simulated``."""
+    from steptune.core.plot import timelines
+
+    pred = result.get("simulated") or predict_live(result)
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    dashed = {}
+    for run_name, rows in result["runs"].items():
+        series[run_name] = ([r["step"] for r in rows], [r["wall_s"] for r in rows])
+        sim = pred["workload"].get("step_s", {}).get(run_name)
+        if sim:
+            series[f"{run_name} (simulated)"] = (list(range(len(sim))), sim)
+            dashed[f"{run_name} (simulated)"] = run_name
+    marks = {}
+    faults = result["spec"].get("faults") or []
+    if faults:
+        marks[f"fault: rank {faults[0]['rank']} x{faults[0]['factor']}"] = float(faults[0]["start"])
+    if result.get("detection_delay_steps") is not None and faults:
+        marks["detected (adapted run)"] = float(faults[0]["start"] + result["detection_delay_steps"])
+    settled = [r["wall_s"] for rows in result["runs"].values() for r in rows if r["step"] >= _WARMUP]
+    ylim = (0.0, 1.1 * max(settled)) if settled else None  # the first steps pay process warm-up
+    spec = result["spec"]
+    layout = ", ".join(f"{k}={spec[k]}" for k in ("dp", "pp", "tp") if k in spec) or f"dp={result['ranks']}"
+    title = f"live run ({layout}, time scale {spec.get('time_scale')}): measured vs simulated (dashed)"
+    return timelines(
+        series,
+        path,
+        xlabel="step",
+        ylabel="step time (emulated s)",
+        title=title,
+        dashed=dashed,
+        marks=marks,
+        ylim=ylim,
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from steptune.resilience.livesim import LiveWorkload, predict_live, sim_job_for
+from steptune.resilience.livesim import LiveWorkload, plot_live, predict_live, sim_job_for
 from steptune.resilience.plan import ClusterState, initial_plan
 from steptune.resilience.runtime import lpt_assign
 from steptune.resilience.sim import FailureEvent, NoOp, SteptunePolicy, run
@@ -115,3 +115,28 @@ def test_the_workload_model_predicts_the_measured_live_runs(name):
     if name in PREDICT:
         assert result["spec"]["time_scale"] == 0.1
         assert all(abs(v) < 0.10 for v in err["workload"].values()), err
+
+
+def test_per_step_prediction_follows_the_measured_steps_and_plots(tmp_path):
+    """At time scale 0.1 the workload model follows the batch-to-batch variation of every run (per-step
+    MAPE and correlation over the window), and ``plot_live`` draws both."""
+    result = json.loads((RESULTS / "resilience_live_predict_pp.json").read_text())
+    result["simulated"] = pred = predict_live(result)
+    for run_name, fit in pred["workload"]["per_step"].items():
+        assert fit["steps"] == 80 - pred["window_from_step"], run_name
+        assert fit["mape"] < 0.08 and fit["corr"] > 0.6, (run_name, fit)
+        assert len(pred["workload"]["step_s"][run_name]) == 80
+    out = plot_live(result, tmp_path / "live.png")
+    assert out.stat().st_size > 10_000
+
+
+def test_timelines_plot_checks_its_series(tmp_path):
+    from steptune.core.plot import timelines
+
+    with pytest.raises(ValueError, match="2 values for 3"):
+        timelines({"a": ([0, 1, 2], [1.0, 2.0])}, tmp_path / "x.png", xlabel="x", ylabel="y")
+    with pytest.raises(ValueError, match="must follow a solid series"):
+        timelines({"a": ([0], [1.0])}, tmp_path / "x.png", xlabel="x", ylabel="y", dashed={"a": "b"})
+    series = {"m": ([0, 1], [1.0, 2.0]), "p": ([0, 1], [1.1, 1.9])}
+    path = timelines(series, tmp_path / "ok.png", xlabel="x", ylabel="y", dashed={"p": "m"}, marks={"e": 0.5})
+    assert path.exists()
