@@ -240,6 +240,14 @@ def summarize(spec: dict[str, Any], ranks: int, runs: dict[str, dict[str, Any]])
     delay = detections[0] - start if detections else None
     window = (detections[0] + 1) if detections else start
     skip = 5  # warm-up steps excluded from healthy figures
+    steps = len(healthy["reports"])
+    if max(window, skip) >= steps:
+        found = f"detected after step {detections[0]}" if detections else "not detected"
+        raise ValueError(
+            f"the comparison measures throughput from step {max(window, skip)} (fault {found}), but the runs "
+            f"have {steps} steps: use more --steps (the predictor warms up for the first steps; 80 with a "
+            "fault at step 20 is the documented setting)"
+        )
     return {
         "ranks": ranks,
         "spec": spec,
