@@ -36,3 +36,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # user mistakes carry a message that says what to change
         print(f"steptune {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except FileNotFoundError as exc:  # a path on the command line that is not there
+        print(f"steptune {args.command}: error: no such file: {exc.filename}", file=sys.stderr)
+        return 2

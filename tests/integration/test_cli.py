@@ -106,3 +106,46 @@ def test_resilience_run_rejects_bad_numbers(argv, capsys):
         main(["resilience", "run", *argv])
     assert info.value.code == 2
     assert "must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["pipeline", "simulate", "--schedule", "/nonexistent/schedule.json"], "no such file"),
+        (["comm", "calibrate", "/nonexistent/comm.json"], "no such file"),
+        (["resilience", "failstop", "--kill-rank", "9"], "has ranks 0..3"),
+        (["resilience", "failstop", "--kill-step", "30"], "has steps 0..19"),
+        (["resilience", "failstop", "--layout", "dp=2,pp=2", "--kill-rank", "4"], "has ranks 0..3"),
+    ],
+)
+def test_bad_paths_and_ranges_are_user_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            "pipeline",
+            "tune",
+            "--model",
+            "gemma-2b",
+            "--devices",
+            "4",
+            "--microbatches",
+            "8",
+            "--time-budget",
+            "-1",
+        ],
+        ["pipeline", "tune", "--model", "gemma-2b", "--devices", "four", "--microbatches", "8"],
+        ["comm", "simulate", "--gpus", "0"],
+        ["resilience", "failstop", "--ranks", "0"],
+    ],
+)
+def test_bad_numbers_fail_at_parse_time(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be" in err or "expected a whole number" in err

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from steptune.core.argtypes import positive_int
+
 __all__ = ["register"]
 
 
@@ -99,9 +101,9 @@ def register(sub: Any) -> None:
         "steptune/comm/constants.py; --calibration replaces the kernel rates with measured ones.",
     )
     sim.add_argument("--model", default="llama3.1-70b", help="model preset (steptune.core presets)")
-    sim.add_argument("--gpus", type=int, default=64, help="FSDP world size W")
+    sim.add_argument("--gpus", type=positive_int, default=64, help="FSDP world size W")
     sim.add_argument("--cluster", default="dgx-h100", help="cluster preset: dgx-h100, dgx-h200, gb200-nvl72")
-    sim.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step")
+    sim.add_argument("--tokens", type=positive_int, default=8192, help="tokens per GPU per step")
     sim.add_argument("--calibration", default=None, help="a benchmarks/gpu/comm.py JSON with a 'fit' section")
     sim.add_argument("--json", default=None, help="also write the results as JSON")
     sim.set_defaults(func=_simulate)
@@ -111,6 +113,6 @@ def register(sub: Any) -> None:
     )
     cal.add_argument("results", help="JSON written by benchmarks/gpu/comm.py (its 'fit' section is used)")
     cal.add_argument("--model", default="llama3.1-70b")
-    cal.add_argument("--gpus", type=int, default=64)
+    cal.add_argument("--gpus", type=positive_int, default=64)
     cal.add_argument("--cluster", default="dgx-h200")
     cal.set_defaults(func=_calibrate)

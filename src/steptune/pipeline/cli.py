@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from steptune.core.argtypes import positive_float, positive_int
+
 __all__ = ["register"]
 
 
@@ -213,10 +215,10 @@ def register(sub: Any) -> None:
 
     t = verbs.add_parser("tune", help="co-tune a model preset and compare with every anchor")
     t.add_argument("--model", required=True, help="model preset, e.g. gemma-2b")
-    t.add_argument("--devices", type=int, required=True, help="pipeline devices P")
-    t.add_argument("--microbatches", type=int, required=True, help="microbatches per step M")
+    t.add_argument("--devices", type=positive_int, required=True, help="pipeline devices P")
+    t.add_argument("--microbatches", type=positive_int, required=True, help="microbatches per step M")
     t.add_argument(
-        "--time-budget", type=float, default=20.0, help="seconds for the whole search (default 20)"
+        "--time-budget", type=positive_float, default=20.0, help="seconds for the whole search (default 20)"
     )
     t.add_argument("--out", type=Path, default=Path("runs/pipeline/tune"), help="output folder")
     _costs_args(t)
@@ -241,8 +243,8 @@ def register(sub: Any) -> None:
         default="sleep:gemma-2b",
         help="sleep:PRESET (sleeping layers timed from the preset) or tiny-decoder",
     )
-    r.add_argument("--ranks", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
-    r.add_argument("--repeats", type=int, default=3, help="steps per engine; the median is reported")
+    r.add_argument("--ranks", type=positive_int, default=4, help="ranks to spawn (ignored under torchrun)")
+    r.add_argument("--repeats", type=positive_int, default=3, help="steps per engine; the median is reported")
     r.add_argument(
         "--check",
         action="store_true",
@@ -258,7 +260,7 @@ def register(sub: Any) -> None:
     b.add_argument("--json", type=Path, default=Path("runs/pipeline/bench.json"))
     b.add_argument(
         "--time-budget",
-        type=float,
+        type=positive_float,
         default=None,
         help="search seconds per config (default: 5 for quick, 25 for full)",
     )

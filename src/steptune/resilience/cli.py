@@ -10,6 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from steptune.core.argtypes import positive_float, positive_int
+
 __all__ = ["register"]
 
 
@@ -232,26 +234,6 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text}")
-    return value
-
-
 def _parse_inject(spec: str) -> dict[str, Any]:
     """``slow:...`` (a slow device) or ``slow-link:...`` (a slow network link); ``kind`` says which."""
     kind, _, rest = spec.partition(":")
@@ -393,13 +375,17 @@ def _failstop(args: argparse.Namespace) -> int:
     spec = {"steps": args.steps, "kill_rank": args.kill_rank, "kill_step": args.kill_step,
             "checkpoint_every": args.checkpoint_every, "time_scale": args.time_scale,
             "seed": args.seed}  # fmt: skip
+    if not 0 <= args.kill_step < args.steps:
+        raise ValueError(f"--kill-step {args.kill_step}: the run has steps 0..{args.steps - 1} (--steps)")
     if args.layout is None:
+        if not 0 <= args.kill_rank < args.ranks:
+            raise ValueError(f"--kill-rank {args.kill_rank}: the job has ranks 0..{args.ranks - 1} (--ranks)")
         res = compare_failstop({**spec, "ranks": args.ranks})
         where = f"before step {args.kill_step}'s all-reduce"
     else:
         dp, pp, tp = parse_layout(args.layout)
         if not 0 <= args.kill_rank < dp * pp * tp:
-            raise SystemExit(
+            raise ValueError(
                 f"--kill-rank {args.kill_rank}: the layout {args.layout} has ranks 0..{dp * pp * tp - 1}"
             )
         where = f"mid-step {args.kill_step} ({args.layout})"
@@ -442,11 +428,11 @@ def register(sub: Any) -> None:
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     d = verbs.add_parser("detect", help="score detectors on simulated runs with injected failures")
     d.add_argument("--model", default="llama2-7b")
-    d.add_argument("--pp", type=_positive_int, default=4)
-    d.add_argument("--dp", type=_positive_int, default=4)
+    d.add_argument("--pp", type=positive_int, default=4)
+    d.add_argument("--dp", type=positive_int, default=4)
     d.add_argument("--lengths", default="code", help="length distribution preset (code, chat, uniform)")
-    d.add_argument("--runs", type=_positive_int, default=20)
-    d.add_argument("--steps", type=_positive_int, default=80)
+    d.add_argument("--runs", type=positive_int, default=20)
+    d.add_argument("--steps", type=positive_int, default=80)
     d.add_argument("--factor", type=float, default=1.25, help="injected fail-slow factor")
     d.add_argument("--json", type=Path, default=None)
     d.set_defaults(func=_detect)
@@ -461,7 +447,7 @@ def register(sub: Any) -> None:
         "--compare runs healthy, unmitigated and adapted with the "
         "same seeds and the simulator's prediction of each.",
     )
-    run.add_argument("--ranks", type=_positive_int, default=4)
+    run.add_argument("--ranks", type=positive_int, default=4)
     run.add_argument(
         "--layout",
         default="dp=4",
@@ -473,10 +459,10 @@ def register(sub: Any) -> None:
         default=[],
         help="slow:rank=R,factor=F,at=S[,for=D] (a device) or slow-link:... (rank R's link; DP layout)",
     )
-    run.add_argument("--steps", type=_positive_int, default=80)
+    run.add_argument("--steps", type=positive_int, default=80)
     run.add_argument(
         "--time-scale",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="wall seconds per emulated device second (default 0.02 for dp, 0.05 with pp or tp > 1: a "
         "stage's 17 real blocks, or a TP member's gloo messages, must stay well inside the emulated time; "
@@ -516,20 +502,20 @@ def register(sub: Any) -> None:
         "survivors rebuilding their gloo group and redoing the step, and restart-everything from the last "
         "checkpoint. Prints the loss difference against the failure-free run and the wall times.",
     )
-    fs.add_argument("--ranks", type=int, default=4, help="DP ranks (without --layout)")
+    fs.add_argument("--ranks", type=positive_int, default=4, help="DP ranks (without --layout)")
     fs.add_argument(
         "--layout",
         default=None,
         help="dp=2,pp=2 or dp=2,tp=2: the dead rank's layers / TP units come back from a DP peer "
         "(TP: no restart run)",
     )
-    fs.add_argument("--steps", type=_positive_int, default=20)
+    fs.add_argument("--steps", type=positive_int, default=20)
     fs.add_argument("--kill-rank", type=int, default=2)
     fs.add_argument("--kill-step", type=int, default=11)
     fs.add_argument(
-        "--checkpoint-every", type=_positive_int, default=5, help="the restart baseline's checkpoint interval"
+        "--checkpoint-every", type=positive_int, default=5, help="the restart baseline's checkpoint interval"
     )
-    fs.add_argument("--time-scale", type=_positive_float, default=0.01)
+    fs.add_argument("--time-scale", type=positive_float, default=0.01)
     fs.add_argument("--seed", type=int, default=0)
     fs.add_argument("--json", type=Path, default=None)
     fs.set_defaults(func=_failstop)
