@@ -116,6 +116,20 @@ def test_resilience_run_rejects_bad_numbers(argv, capsys):
         (["resilience", "failstop", "--kill-rank", "9"], "has ranks 0..3"),
         (["resilience", "failstop", "--kill-step", "30"], "has steps 0..19"),
         (["resilience", "failstop", "--layout", "dp=2,pp=2", "--kill-rank", "4"], "has ranks 0..3"),
+        (["memory", "plan", "--model", "qwen3-tiny", "--limit", "abc"], "write bytes (300MiB"),
+        (
+            [
+                "kernels",
+                "optimize",
+                "--problem",
+                "softmax",
+                "--llm-url",
+                "http://127.0.0.1:9/v1",
+                "--model",
+                "m",
+            ],
+            "Start an OpenAI-compatible server",
+        ),
     ],
 )
 def test_bad_paths_and_ranges_are_user_errors(argv, message, capsys):
@@ -141,6 +155,9 @@ def test_bad_paths_and_ranges_are_user_errors(argv, message, capsys):
         ["pipeline", "tune", "--model", "gemma-2b", "--devices", "four", "--microbatches", "8"],
         ["comm", "simulate", "--gpus", "0"],
         ["resilience", "failstop", "--ranks", "0"],
+        ["resilience", "bench", "--quick", "--workers", "0", "--json", "x.json"],
+        ["memory", "bench", "--model", "qwen3-tiny", "--repeats", "0"],
+        ["kernels", "bench", "--lane", "sim", "--seeds", "0"],
     ],
 )
 def test_bad_numbers_fail_at_parse_time(argv, capsys):

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from steptune.core.argtypes import positive_float, positive_int
+
 __all__ = ["register"]
 
 
@@ -132,6 +134,25 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_server(base_url: str, model: str) -> None:
+    """Fail before the search starts when the server is not there (one GET /models, 10 s)."""
+    import httpx
+
+    url = base_url.rstrip("/") + "/models"
+    try:
+        resp = httpx.get(url, timeout=10.0)
+        resp.raise_for_status()
+        names = [m.get("id") for m in resp.json().get("data", [])]
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise ValueError(
+            f"--llm-url {base_url}: GET {url} failed ({type(exc).__name__}: {exc}). Start an "
+            "OpenAI-compatible server there (vLLM, SGLang, or steptune.kernels.llm.replay's ReplayServer) "
+            "and pass its /v1 base URL"
+        ) from None
+    if names and model not in names:
+        print(f"warning: --model {model!r} is not among the server's models {names}", file=sys.stderr)
+
+
 def _optimize(args: argparse.Namespace) -> int:
     from steptune.kernels.optimize import optimize
     from steptune.kernels.problems import load_problem
@@ -141,6 +162,7 @@ def _optimize(args: argparse.Namespace) -> int:
     if args.policy not in POLICIES:
         raise ValueError(f"unknown --policy {args.policy!r}: choose one of {', '.join(POLICIES)}")
     problem = load_problem(args.problem)
+    _check_server(args.llm_url, args.model)
     config = SearchConfig(
         policy=args.policy,
         budget=Budget(wall_s=args.wall, tokens=args.tokens, iterations=args.iterations),
@@ -247,9 +269,11 @@ def register(sub: Any) -> None:
     op.add_argument("--llm-url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000/v1")
     op.add_argument("--model", required=True, help="model name as the server knows it")
     op.add_argument("--policy", default="specgen", help="specgen (default), sequential, parallel, early_exit")
-    op.add_argument("--wall", type=float, default=1800.0, help="wall-clock budget in seconds (default: 1800)")
-    op.add_argument("--tokens", type=int, default=None, help="generated-token budget (forks count)")
-    op.add_argument("--iterations", type=int, default=None, help="iteration budget")
+    op.add_argument(
+        "--wall", type=positive_float, default=1800.0, help="wall-clock budget in seconds (default: 1800)"
+    )
+    op.add_argument("--tokens", type=positive_int, default=None, help="generated-token budget (forks count)")
+    op.add_argument("--iterations", type=positive_int, default=None, help="iteration budget")
     op.add_argument("--target", type=float, default=None, help="stop once a kernel reaches this speedup")
     op.add_argument("--out", default=None, help="where to write the best kernel (default: PROBLEM_best.py)")
     op.add_argument("--json", default=None, help="write the report and every candidate here")
@@ -266,12 +290,12 @@ def register(sub: Any) -> None:
         help="examples: fast and slow C examples profiled repeatedly; sim: every policy on virtual time "
         "(SIMULATED services); cpu: policies against the replay server and the real pool",
     )
-    be.add_argument("--seeds", type=int, default=20, help="sim lane: seeds per policy (default: 20)")
+    be.add_argument("--seeds", type=positive_int, default=20, help="sim lane: seeds per policy (default: 20)")
     be.add_argument("--sweep", action="store_true", help="sim lane: add sensitivity sweeps (slower)")
     be.add_argument(
-        "--wall", type=float, default=30.0, help="cpu lane: real seconds per policy (default: 30)"
+        "--wall", type=positive_float, default=30.0, help="cpu lane: real seconds per policy (default: 30)"
     )
-    be.add_argument("--repeats", type=int, default=10, help="profiles per candidate (default: 10)")
+    be.add_argument("--repeats", type=positive_int, default=10, help="profiles per candidate (default: 10)")
     be.add_argument(
         "--problems", nargs="*", default=None, help="subset of problems (default: all with examples)"
     )

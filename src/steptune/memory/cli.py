@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from steptune.core.argtypes import positive_int
+
 __all__ = ["register"]
 
 
@@ -32,10 +34,17 @@ def _compare(args: argparse.Namespace) -> int:
 def _parse_limit(text: str) -> float:
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
     upper = text.strip().upper()
-    for unit, scale in units.items():
+    scale, number = 1.0, upper
+    for unit, size in units.items():
         if upper.endswith(unit):
-            return float(upper[: -len(unit)]) * scale
-    return float(upper)
+            scale, number = size, upper[: -len(unit)]
+            break
+    try:
+        return float(number) * scale
+    except ValueError:
+        raise ValueError(
+            f"--limit {text!r}: write bytes (300MiB, 2GiB, 123456789) or a fraction in (0, 1]"
+        ) from None
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -155,7 +164,9 @@ def register(sub: Any) -> None:
     c.add_argument(
         "--model", default="qwen3-small", help=f"one of {', '.join(MODEL_PRESETS)} (default qwen3-small)"
     )
-    c.add_argument("--repeats", type=int, default=7, help="timed steps per policy, interleaved (default 7)")
+    c.add_argument(
+        "--repeats", type=positive_int, default=7, help="timed steps per policy, interleaved (default 7)"
+    )
     c.add_argument("--no-time", action="store_true", help="skip timing (work, peaks and gradients only)")
     c.add_argument("--json", type=Path, help="write the measurements to this JSON file")
     c.set_defaults(func=_compare)
@@ -184,7 +195,9 @@ def register(sub: Any) -> None:
     ):
         b = verbs.add_parser(verb, help=text, description=text)
         b.add_argument("--model", default="qwen3-small", help=f"one of {', '.join(MODEL_PRESETS)}")
-        b.add_argument("--repeats", type=int, default=7, help="timed rounds per row, interleaved (default 7)")
+        b.add_argument(
+            "--repeats", type=positive_int, default=7, help="timed rounds per row, interleaved (default 7)"
+        )
         b.add_argument("--json", type=Path, help="write the rows to this JSON file")
         if verb == "pareto":
             b.add_argument("--out", type=Path, default=Path("runs/memory_pareto.png"), help="PNG path")

@@ -548,8 +548,10 @@ def register(sub: Any) -> None:
     sim.set_defaults(func=_simulate)
     b = verbs.add_parser("bench", help="every policy on the same simulated 256-GPU scenarios (JSON, table)")
     b.add_argument("--quick", action="store_true", help="2 models x 3 kinds x 30 min: under a minute")
-    b.add_argument("--seeds", type=int, default=1, help="scenarios per (model, kind) in the full bench")
-    b.add_argument("--workers", type=int, default=2, help="processes")
+    b.add_argument(
+        "--seeds", type=positive_int, default=1, help="scenarios per (model, kind) in the full bench"
+    )
+    b.add_argument("--workers", type=positive_int, default=2, help="processes")
     b.add_argument("--models", default=None, help="comma-separated model presets (default: all seven)")
     b.add_argument("--json", type=Path, required=True)
     b.add_argument("--plot", type=Path, default=None, help="PNG of the ratios per scenario kind")
@@ -561,6 +563,6 @@ def register(sub: Any) -> None:
     sw.add_argument(
         "--quick", action="store_true", help="two scales, 30 simulated minutes, few detector runs"
     )
-    sw.add_argument("--workers", type=int, default=2)
+    sw.add_argument("--workers", type=positive_int, default=2)
     sw.add_argument("--json", type=Path, required=True)
     sw.set_defaults(func=_sweep)
