@@ -716,6 +716,16 @@ class SteptunePolicy(ResiHPPolicy):
         # improved by greedy moves priced by the iteration-time predictor (the simulator), not by the
         # planner's per-device speed, which misjudges slow links.
         more = [c for c in (uniform_repartition(state, plan),) if c is not None]
+        # ResiHP's replans again with a layer partition per replica (Oobleck-style heterogeneous
+        # pipelines: the healthy replicas keep their split while the hit one rebalances). The live
+        # counterpart syncs gradients layer-wise (``pipelined``), so replicas may hold different splits.
+        if not self.per_replica_partitions:
+            used = [state.speeds[d] for g in plan.tp_groups for d in g]
+            dur = math.inf if min(used) <= 0 else self.expected_slow_s
+            for costs, horizon in ((ctx.job.reconfig, dur), (ReconfigCosts(tp_s=0.0, pp_s=0.0), math.inf)):
+                cand = _try_replan(state, plan, horizon, costs, per_replica=True)
+                if cand is not None:
+                    more.append(cand)
 
         def price(p: ExecutionPlan) -> float:
             return ctx.step_time(p, observed)
@@ -736,8 +746,9 @@ class Oracle(Memoized):
     """Sees every change at once and switches for free to the best simulated plan: an upper bound.
 
     Candidates: the current plan, and ``progressive_replan`` from the current and from the first plan
-    (so recovered devices come back), each with free and with the job's reconfiguration costs; and the
-    same with uneven TP shares (steptune's), free only. With
+    (so recovered devices come back), each with free and with the job's reconfiguration costs, with one
+    partition for all replicas and with one per replica; and the same with uneven TP shares (steptune's),
+    free only. With
     ``extra_prices`` (other mechanisms' step times, e.g. ReCycle's rerouting or Adaptra's
     rescheduling, from ``baselines.oracle``) a plan runs at the best of all of them, so the bound
     also covers policies whose mechanism is not a plan change. Every plan, uneven shares included, may
@@ -776,9 +787,10 @@ class Oracle(Memoized):
         for st, all_costs in ((state, (free, ctx.job.reconfig)), (shared, (free,))):
             for src in (plan, ctx.base_plan):
                 for costs in all_costs:
-                    cand = _try_replan(st, src, math.inf, costs)
-                    if cand is not None:
-                        cands.append(cand)
+                    for per_replica in (False, True):  # steptune replans each replica's partition
+                        cand = _try_replan(st, src, math.inf, costs, per_replica)
+                        if cand is not None:
+                            cands.append(cand)
         # Greyhound's S3 (one repartition for all replicas), and greedy microbatch moves priced exactly
         # (the planner's DP step assigns by speed; with slow links the DP sync term matters too).
         cands += [c for src in (plan, ctx.base_plan) if (c := uniform_repartition(state, src)) is not None]

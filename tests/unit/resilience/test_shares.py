@@ -120,3 +120,40 @@ def test_simulated_steptune_beats_resihp_in_tp4_and_stays_under_the_oracle(failu
     oracle = run(JOB4, Oracle(), (failure,), 3600.0).tokens_per_s
     assert ours > resihp * 1.01, (ours, resihp)
     assert ours <= oracle * (1 + 1e-9), (ours, oracle)
+
+
+def test_steptune_gives_the_hit_replica_its_own_partition_after_a_fail_stop():
+    """On the bench's llama2-70b job (TP4 PP16 DP4), one dead device: steptune also weighs ResiHP's
+    replans with a layer partition per replica (the healthy replicas keep their split), adopts one, and
+    gains over the same policy restricted to one shared partition; the oracle, which searches both,
+    still bounds it."""
+    from steptune.resilience.bench import job_for
+    from steptune.resilience.sim import Oracle
+
+    class SharedOnly(SteptunePolicy):
+        name = "steptune-shared"
+
+        def _more_candidates(self, cands, plan, observed, state, ctx):
+            self.per_replica_partitions = True  # the flag that skips the per-replica candidates
+            try:
+                return super()._more_candidates(cands, plan, observed, state, ctx)
+            finally:
+                self.per_replica_partitions = False
+
+    job = job_for("llama2-70b")
+    fail = (FailureEvent(kind="fail-stop", device=17, start_s=600.0),)
+    plans = []
+    ours = SteptunePolicy()
+    decide = ours.on_step
+
+    def recording(*args):
+        d = decide(*args)
+        plans.append(d.plan)
+        return d
+
+    ours.on_step = recording
+    per_replica = run(job, ours, fail, 3600.0).tokens_per_s
+    shared = run(job, SharedOnly(), fail, 3600.0).tokens_per_s
+    assert any(len(set(p.layer_partition)) > 1 for p in plans)  # replicas hold different splits
+    assert per_replica > shared * 1.01
+    assert per_replica <= run(job, Oracle(), fail, 3600.0).tokens_per_s * (1 + 1e-9)
