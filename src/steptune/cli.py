@@ -37,5 +37,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"steptune {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:  # a path on the command line that is not there
-        print(f"steptune {args.command}: error: no such file: {exc.filename}", file=sys.stderr)
+        what = f"no such file: {exc.filename}" if exc.filename else str(exc)
+        print(f"steptune {args.command}: error: {what}", file=sys.stderr)
         return 2

@@ -143,7 +143,7 @@ def _check_server(base_url: str, model: str) -> None:
         resp = httpx.get(url, timeout=10.0)
         resp.raise_for_status()
         names = [m.get("id") for m in resp.json().get("data", [])]
-    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError, AttributeError) as exc:
         raise ValueError(
             f"--llm-url {base_url}: GET {url} failed ({type(exc).__name__}: {exc}). Start an "
             "OpenAI-compatible server there (vLLM, SGLang, or steptune.kernels.llm.replay's ReplayServer) "

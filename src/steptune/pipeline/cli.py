@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import positive_float, positive_int
+from steptune.core.argtypes import non_negative_float, positive_int
 
 __all__ = ["register"]
 
@@ -218,7 +218,10 @@ def register(sub: Any) -> None:
     t.add_argument("--devices", type=positive_int, required=True, help="pipeline devices P")
     t.add_argument("--microbatches", type=positive_int, required=True, help="microbatches per step M")
     t.add_argument(
-        "--time-budget", type=positive_float, default=20.0, help="seconds for the whole search (default 20)"
+        "--time-budget",
+        type=non_negative_float,
+        default=20.0,
+        help="seconds for the whole search (default 20)",
     )
     t.add_argument("--out", type=Path, default=Path("runs/pipeline/tune"), help="output folder")
     _costs_args(t)
@@ -260,7 +263,7 @@ def register(sub: Any) -> None:
     b.add_argument("--json", type=Path, default=Path("runs/pipeline/bench.json"))
     b.add_argument(
         "--time-budget",
-        type=positive_float,
+        type=non_negative_float,
         default=None,
         help="search seconds per config (default: 5 for quick, 25 for full)",
     )

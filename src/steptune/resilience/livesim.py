@@ -192,10 +192,27 @@ class LiveWorkload:
             durations=lambda a: block(a.stage, mine[a.microbatch], 0 if a.kind.value == "F" else 1),
         )
 
-    def for_policy(self, policy: Policy) -> tuple[Policy, StepTimeOf]:
-        """``policy`` wrapped to record the speeds it detects, and the matching ``step_time_of``."""
+    def true_speeds(self, step: int) -> tuple[float, ...]:
+        """Device speeds at step ``step`` under the spec's faults, counted in steps as the live runtime
+        counts them (``SlowFault``: from ``start`` for ``duration`` steps)."""
+        out = [1.0] * self.ranks
+        for f in self.spec.get("faults") or []:
+            start = int(f["start"])
+            end = start + int(f["duration"]) if f.get("duration") else None
+            if start <= step and (end is None or step < end):
+                out[int(f["rank"])] /= float(f["factor"])
+        return tuple(out)
+
+    def for_policy(self, policy: Policy, *, faulted: bool) -> tuple[Policy, StepTimeOf]:
+        """``policy`` wrapped to record the speeds it detects, and the matching ``step_time_of``. With
+        ``faulted`` the true speeds follow the spec's faults by step index (the failure events then only
+        drive what the policy observes)."""
         watched = _Watched(policy, adapts=not isinstance(policy, NoOp), devices=self.ranks)
-        return watched, lambda step, plan, truth: self.step_time(step, plan, truth, watched.speeds())
+
+        def step_time_of(step: int, plan: ExecutionPlan, truth: tuple[float, ...]) -> float:
+            return self.step_time(step, plan, self.true_speeds(step) if faulted else truth, watched.speeds())
+
+        return watched, step_time_of
 
 
 @functools.lru_cache(maxsize=64)
@@ -242,19 +259,22 @@ def _window(res: SimResult, first: int, last: int, tokens: list[int]) -> float:
     return sum(tokens[first:last]) / (rows[-1][0] + rows[-1][1] - rows[0][0])
 
 
-def _failures(spec: dict[str, Any], step_start: list[float]) -> list[FailureEvent]:
-    """The live faults at the simulated start time of their steps (``step_start[i]``: step i's start)."""
+def _failures(spec: dict[str, Any], starts: list[float], ends: list[float]) -> list[FailureEvent]:
+    """The live faults as failure events: from the simulated start of their first step (``starts[i]``:
+    step i's start; the steps before a fault are the same in every run) to the start of the step after
+    their last (``ends``: the run's own step starts)."""
     out = []
     for f in spec.get("faults") or []:
         start = int(f["start"])
-        end = start + int(f["duration"]) if f.get("duration") else len(step_start)
-        end = min(end, len(step_start))
+        end = start + int(f["duration"]) if f.get("duration") else None
+        t0 = starts[start]
+        t1 = ends[end] if end is not None and end < len(ends) else float("inf")
         out.append(
             FailureEvent(
                 kind="fail-slow",
                 device=int(f["rank"]),
-                start_s=step_start[start],
-                duration_s=step_start[end] - step_start[start] if end < len(step_start) else float("inf"),
+                start_s=t0,
+                duration_s=max(t1 - t0, 1e-9),
                 factor=1.0 / float(f["factor"]),
             )
         )
@@ -286,16 +306,26 @@ def _simulate(
         policy = policies[name]
         if workload is None:
             return run(job, policy, failures, horizon)
-        watched, step_time_of = workload.for_policy(policy)
+        watched, step_time_of = workload.for_policy(policy, faulted=name != "healthy")
         return run(job, watched, failures, horizon, step_time_of=step_time_of)
 
-    horizon = 1.0
-    while len((healthy := one("healthy", [], horizon)).timeline) < steps + 1:
-        horizon *= 2.0
+    def grown(name: str, failures: list[FailureEvent], horizon: float) -> SimResult:
+        """``one`` with the horizon doubled until the run completes ``steps + 1`` steps."""
+        for _ in range(12):
+            if len((res := one(name, failures, horizon)).timeline) > steps:
+                return res
+            horizon *= 2.0
+        raise ValueError(f"the simulated {name} run did not complete {steps} steps (a halted plan?)")
+
+    healthy = grown("healthy", [], 1.0)
     starts = [row[0] for row in healthy.timeline]
-    failures = _failures(spec, starts)
-    horizon *= 3.0  # long enough for every step of the slowest run
-    runs = {"healthy": healthy, **{k: one(k, failures, horizon) for k in ("unmitigated", "adapted")}}
+    runs = {"healthy": healthy}
+    bounded = any(f.get("duration") for f in spec.get("faults") or [])
+    for name in ("unmitigated", "adapted"):
+        ends = starts  # a fault's end in the run's own steps: a second pass takes them from the first
+        for _ in range(2 if bounded else 1):
+            runs[name] = grown(name, _failures(spec, starts, ends), 3.0 * starts[-1])
+            ends = [row[0] for row in runs[name].timeline]
     rates = {k: _window(r, first, steps, tokens) for k, r in runs.items()}
     step_s = {k: [row[1] for row in r.timeline[:steps]] for k, r in runs.items()}
     return rates, statistics.fmean(step_s["healthy"][first:]), step_s

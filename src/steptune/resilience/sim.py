@@ -392,14 +392,19 @@ def reconfig_cost(old: ExecutionPlan, new: ExecutionPlan, costs: ReconfigCosts) 
             1 for g, a, b in zip(new.tp_groups, _shares(new), _shares_of(old, new.tp_groups), strict=True)
             if g in kept and a != b
         )  # fmt: skip
-    if set(new.layer_partition) != set(old.layer_partition):
+    if new.layer_partition != old.layer_partition:  # replica by replica (steptune's may differ)
 
         def owner(p: tuple[int, ...]) -> list[int]:
             return [s for s, n in enumerate(p) for _ in range(n)]
 
-        ref = owner(old.layer_partition[0])
-        moved = max(sum(a != b for a, b in zip(ref, owner(p), strict=True)) for p in new.layer_partition)
-        cost += costs.pp_s + costs.pp_per_layer_s * moved
+        same = len(new.layer_partition) == len(old.layer_partition)
+        refs = old.layer_partition if same else (old.layer_partition[0],) * len(new.layer_partition)
+        moved = max(
+            sum(a != b for a, b in zip(owner(r), owner(p), strict=True))
+            for r, p in zip(refs, new.layer_partition, strict=True)
+        )
+        if moved or not same:
+            cost += costs.pp_s + costs.pp_per_layer_s * moved
     if new.microbatches != old.microbatches:
         cost += costs.dp_s
     return cost
@@ -783,8 +788,8 @@ class Oracle(Memoized):
     ) -> Decision:
         free = ReconfigCosts(tp_s=0.0, pp_s=0.0)
         cands = [plan, ctx.base_plan]
-        shared = replace(state, tp_shares=True)  # steptune's uneven shares: free replans only
-        for st, all_costs in ((state, (free, ctx.job.reconfig)), (shared, (free,))):
+        shared = replace(state, tp_shares=True)  # steptune's uneven shares
+        for st, all_costs in ((state, (free, ctx.job.reconfig)), (shared, (free, ctx.job.reconfig))):
             for src in (plan, ctx.base_plan):
                 for costs in all_costs:
                     for per_replica in (False, True):  # steptune replans each replica's partition

@@ -140,3 +140,20 @@ def test_timelines_plot_checks_its_series(tmp_path):
     series = {"m": ([0, 1], [1.0, 2.0]), "p": ([0, 1], [1.1, 1.9])}
     path = timelines(series, tmp_path / "ok.png", xlabel="x", ylabel="y", dashed={"p": "m"}, marks={"e": 0.5})
     assert path.exists()
+
+
+def test_a_bounded_fault_lasts_its_steps_and_a_strong_one_completes():
+    """A fault with ``duration`` slows exactly those steps, as the live runtime counts them (not the
+    healthy run's seconds), and a 5x fault still completes every step of the prediction."""
+    from steptune.resilience.livesim import _simulate
+
+    spec = {"steps": 30, "seed": 0, "faults": [{"rank": 1, "factor": 2.0, "start": 10, "duration": 8}]}
+    wl = LiveWorkload(spec, ranks=4)
+    assert wl.true_speeds(9) == (1.0,) * 4 and wl.true_speeds(17)[1] == 0.5 and wl.true_speeds(18)[1] == 1.0
+    _, _, step_s = _simulate(sim_job_for(spec, 4), spec, 5, wl)
+    ratio = [u / h for u, h in zip(step_s["unmitigated"], step_s["healthy"], strict=True)]
+    assert all(r == pytest.approx(1.0) for r in ratio[:10] + ratio[18:])
+    assert all(r > 1.3 for r in ratio[10:18])  # the slow rank's share, doubled, paces every slow step
+    strong = {**spec, "faults": [{"rank": 1, "factor": 5.0, "start": 10}]}
+    rates, _, step_s = _simulate(sim_job_for(strong, 4), strong, 5, LiveWorkload(strong, ranks=4))
+    assert all(len(v) == 30 for v in step_s.values()) and rates["adapted"] > rates["unmitigated"]

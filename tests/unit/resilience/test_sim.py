@@ -153,6 +153,13 @@ def test_reconfig_cost_prices_each_dimension() -> None:
     assert reconfig_cost(p, p, costs) == 0.0
     q = replace(p, tp_groups=((0,), *p.tp_groups[1:]), layer_partition=((5, 3), (5, 3)), microbatches=(3, 5))
     assert reconfig_cost(p, q, costs) == 1.0 + 10.0 + 0.5 * 1 + 100.0
+    # Per-replica partitions (steptune's) are compared replica by replica: one replica moving two
+    # layers, and two replicas swapping their splits, both cost a repartition.
+    one = replace(p, layer_partition=((4, 4), (6, 2)))
+    assert reconfig_cost(p, one, costs) == 10.0 + 0.5 * 2
+    two = replace(p, layer_partition=((6, 2), (4, 4)))
+    assert reconfig_cost(one, two, costs) == 10.0 + 0.5 * 2
+    assert reconfig_cost(two, two, costs) == 0.0
 
 
 def test_rejects_bad_inputs() -> None:
