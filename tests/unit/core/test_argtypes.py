@@ -1,0 +1,29 @@
+"""The CLIs' number converters: what they accept, and that a refusal says what the flag needs."""
+
+import argparse
+
+import pytest
+
+from steptune.core.argtypes import non_negative_float, positive_float, positive_int
+
+
+def test_accepted_values():
+    assert positive_int("3") == 3 and positive_float("0.5") == 0.5 and non_negative_float("0") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("convert", "text", "message"),
+    [
+        (positive_int, "0", "must be >= 1"),
+        (positive_int, "2.5", "expected a whole number >= 1"),
+        (positive_int, "x", "expected a whole number >= 1"),
+        (positive_float, "0", "must be > 0 and finite"),
+        (positive_float, "inf", "must be > 0 and finite"),
+        (positive_float, "nan", "must be > 0 and finite"),
+        (non_negative_float, "-2", "must be >= 0 and finite"),
+        (non_negative_float, "abc", "expected a number >= 0"),
+    ],
+)
+def test_refusals_say_what_is_needed(convert, text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        convert(text)
