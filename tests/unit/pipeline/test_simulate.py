@@ -103,13 +103,15 @@ def test_cyclic_order_is_a_clear_error():
 
 
 def test_thousands_of_nodes_in_milliseconds():
-    sched = interleaved_1f1b(16, 64, num_chunks=2)
     c = equal_costs(32)
-    n = sum(len(o) for o in sched.orders)
-    assert n >= 4000
-    t0 = time.perf_counter()
-    simulate(sched, c, with_spans=False)
-    assert time.perf_counter() - t0 < 0.5
+    seconds = []
+    for _ in range(3):  # best of three fresh schedules (each compiles its program): a shared box is noisy
+        sched = interleaved_1f1b(16, 64, num_chunks=2)
+        assert sum(len(o) for o in sched.orders) >= 4000
+        t0 = time.perf_counter()
+        simulate(sched, c, with_spans=False)
+        seconds.append(time.perf_counter() - t0)
+    assert min(seconds) < 0.5, seconds
 
 
 def test_a_send_does_not_hold_back_its_own_device():
