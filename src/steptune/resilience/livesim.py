@@ -23,16 +23,13 @@ Errors are (predicted - measured) / measured over the same window of steps as th
 
 from __future__ import annotations
 
-import functools
 import statistics
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from steptune.pipeline.anchors import one_f_one_b
 from steptune.pipeline.costs import StageCosts
-from steptune.pipeline.schedule import Schedule
 from steptune.pipeline.simulate import makespan
 from steptune.resilience.live import allreduce_seconds, global_batch, stage_model
 from steptune.resilience.plan import ExecutionPlan, ReconfigCosts, plan_dp
@@ -47,6 +44,7 @@ from steptune.resilience.sim import (
     SimJob,
     SimResult,
     StepTimeOf,
+    cached_one_f_one_b,
     run,
 )
 from steptune.resilience.workload import StageModel, features
@@ -187,7 +185,7 @@ class LiveWorkload:
         unit = (1.0,) * ns  # only the schedule's links and shape matter: durations give every block
         costs = StageCosts(f=unit, i=unit, w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
         return makespan(
-            _one_f_one_b(ns, len(mine)),
+            cached_one_f_one_b(ns, len(mine)),
             costs,
             durations=lambda a: block(a.stage, mine[a.microbatch], 0 if a.kind.value == "F" else 1),
         )
@@ -213,12 +211,6 @@ class LiveWorkload:
             return self.step_time(step, plan, self.true_speeds(step) if faulted else truth, watched.speeds())
 
         return watched, step_time_of
-
-
-@functools.lru_cache(maxsize=64)
-def _one_f_one_b(num_stages: int, m: int) -> Schedule:
-    """One schedule object per shape, so ``makespan`` compiles it once."""
-    return one_f_one_b(num_stages, m)
 
 
 class _Watched:

@@ -76,6 +76,7 @@ __all__ = [
     "StepTimeHook",
     "StepTimeOf",
     "SteptunePolicy",
+    "cached_one_f_one_b",
     "dp_sync_s",
     "improve_counts",
     "layer_phase_times",
@@ -287,11 +288,11 @@ def pipeline_time(f: list[float] | tuple[float, ...], b: list[float] | tuple[flo
         return 0.0
     zero = (0.0,) * len(f)
     costs = StageCosts(f=tuple(f), i=tuple(b), w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
-    return makespan(_one_f_one_b(len(f), m), costs)
+    return makespan(cached_one_f_one_b(len(f), m), costs)
 
 
 @functools.lru_cache(maxsize=256)
-def _one_f_one_b(num_stages: int, m: int) -> Schedule:
+def cached_one_f_one_b(num_stages: int, m: int) -> Schedule:
     """One schedule object per shape, so ``makespan`` compiles it once."""
     return one_f_one_b(num_stages, m)
 
