@@ -59,7 +59,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from steptune.core.report import Table
-    from steptune.resilience.bench import POLICIES, DetectorCosts, job_for, make_policies
+    from steptune.resilience.bench import POLICIES, DetectorCosts, job_for, make_policies, workload_for
     from steptune.resilience.scenarios import KINDS, generate, read_csv
     from steptune.resilience.sim import run
 
@@ -106,8 +106,9 @@ def _simulate(args: argparse.Namespace) -> int:
         columns=["policy", "tokens/s", "stall s", "lost s", "halted s", "plans"],
     )
     results = {}
+    workload = workload_for(job, _lengths(args.lengths), seed=args.seed)
     for name in names:
-        r = run(job, makers[name](), failures, args.duration)
+        r = run(job, makers[name](), failures, args.duration, workload=workload)
         results[name] = {
             "tokens_per_s": r.tokens_per_s,
             "stall_s": r.stall_s,
@@ -119,7 +120,14 @@ def _simulate(args: argparse.Namespace) -> int:
         if args.verbose:
             for line in r.log:
                 print(f"  {name}: {line}")
-    table.notes.append("SIMULATED (docs/resilience.md lists the assumptions)")
+    table.notes.append(
+        "SIMULATED (docs/resilience.md lists the assumptions); "
+        + (
+            f"each step's batch packed from the {args.lengths!r} lengths"
+            if workload
+            else "every microbatch costs the mean"
+        )
+    )
     table.print()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -128,6 +136,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 {
                     "scenario": args.scenario,
                     "model": args.model,
+                    "lengths": _lengths(args.lengths),
                     "failures": [f.__repr__() for f in failures],
                     "policies": results,
                 },
@@ -136,6 +145,10 @@ def _simulate(args: argparse.Namespace) -> int:
         )
         print(f"wrote: {args.json}")
     return 0
+
+
+def _lengths(name: str) -> str | None:
+    return None if name == "mean" else name
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -149,6 +162,7 @@ def _bench(args: argparse.Namespace) -> int:
     )
     if args.models:
         cfg = replace(cfg, models=tuple(args.models.split(",")))
+    cfg = replace(cfg, lengths=_lengths(args.lengths))
     res = run_bench(cfg, progress=lambda m: print(m, flush=True))
     print_bench(res)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -544,6 +558,13 @@ def register(sub: Any) -> None:
         action="store_true",
         help="do not price TP/PP/DP communication (link fail-slows are then rejected)",
     )
+    sim.add_argument(
+        "--lengths",
+        choices=("code", "chat", "uniform", "mean"),
+        default="code",
+        help="sequence lengths each step's packed batch is drawn from (baselines deal it to DP replicas by "
+        "count, ResiHP and steptune by predicted cost); mean: every microbatch costs the mean",
+    )
     sim.add_argument("--json", type=Path, default=None)
     sim.set_defaults(func=_simulate)
     b = verbs.add_parser("bench", help="every policy on the same simulated 256-GPU scenarios (JSON, table)")
@@ -553,6 +574,13 @@ def register(sub: Any) -> None:
     )
     b.add_argument("--workers", type=positive_int, default=2, help="processes")
     b.add_argument("--models", default=None, help="comma-separated model presets (default: all seven)")
+    b.add_argument(
+        "--lengths",
+        choices=("code", "chat", "uniform", "mean"),
+        default="code",
+        help="sequence lengths each step's packed batch is drawn from (baselines deal it to DP replicas by "
+        "count, ResiHP and steptune by predicted cost); mean: every microbatch costs the mean",
+    )
     b.add_argument("--json", type=Path, required=True)
     b.add_argument("--plot", type=Path, default=None, help="PNG of the ratios per scenario kind")
     b.set_defaults(func=_bench)

@@ -27,10 +27,13 @@ all-reduce are priced by ``simcomm`` (alpha-beta model), and a fail-slow may tar
 (``FailureEvent(target="link")``) instead of its compute. Policies then see per-device speeds that fold
 a slow link in (``simcomm.effective_speeds``), while prices use the compute and link factors.
 
+Sequence-length variability: none by default (every microbatch costs the mean); ``run(workload=)``
+gives each step its own packed batch and deals it to the replicas by count or by predicted cost
+(``simload``).
+
 Ignored: the optimizer step, activation memory (the planner's memory check uses 16 bytes/parameter
-only), the cost of writing checkpoints, sequence-length variability (every microbatch costs the
-same), and spare devices: only the job's ``tp*pp*dp`` devices exist. The tokens/s numbers are model
-outputs, not measurements.
+only), the cost of writing checkpoints, and spare devices: only the job's ``tp*pp*dp`` devices exist.
+The tokens/s numbers are model outputs, not measurements.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from steptune.resilience.plan import (
     uniform_repartition,
 )
 from steptune.resilience.simcomm import CommModel, comm_model, effective_speeds
+from steptune.resilience.simload import PREDICTION_SIGMA, BatchWorkload, workload_factor
 from steptune.resilience.workload import StageModel
 
 __all__ = [
@@ -317,13 +321,16 @@ def rescheduled_time(f: tuple[float, ...], fb: tuple[float, ...], m: int, max_ex
     return t
 
 
-def _make_step_time(
+ReplicaTimes = Callable[[ExecutionPlan, tuple[float, ...]], tuple[float, ...]]
+
+
+def _make_step_model(
     fwd: tuple[float, ...], bwd: tuple[float, ...], comm: CommModel | None = None, *, max_extra: int = 0
-) -> Callable[[ExecutionPlan, tuple[float, ...]], float]:
-    """Step time = slowest replica's 1F1B makespan (+ the DP gradient sync with ``comm``); cached per
-    replica (partition, count, stage throughputs and communication), so plans that differ in one
-    replica's microbatch count re-simulate only that replica. With ``max_extra`` > 0 each replica runs
-    the best of 1F1B and deeper warm-ups (``rescheduled_time``)."""
+) -> tuple[Callable[[ExecutionPlan, tuple[float, ...]], float], ReplicaTimes]:
+    """(step time, per-replica times). Step time = slowest replica's 1F1B makespan (+ the DP gradient
+    sync with ``comm``); cached per replica (partition, count, stage throughputs and communication),
+    so plans that differ in one replica's microbatch count re-simulate only that replica. With
+    ``max_extra`` > 0 each replica runs the best of 1F1B and deeper warm-ups (``rescheduled_time``)."""
     cache: dict[tuple[object, ...], float] = {}
 
     def replica_time(
@@ -356,20 +363,28 @@ def _make_step_time(
             )
         return cache[key]
 
-    def step_time(plan: ExecutionPlan, speeds: tuple[float, ...]) -> float:
+    def replica_times(plan: ExecutionPlan, speeds: tuple[float, ...]) -> tuple[float, ...]:
         num_s = plan.num_stages
-        out = 0.0
+        out = []
         for r, (part, m) in enumerate(zip(plan.layer_partition, plan.microbatches, strict=True)):
-            if m == 0:
-                continue
             groups = plan.tp_groups[r * num_s : (r + 1) * num_s]
             shares = plan.tp_shares[r * num_s : (r + 1) * num_s] if plan.tp_shares else None
-            out = max(out, replica_time(groups, part, m, speeds, shares))
+            out.append(0.0 if m == 0 else replica_time(groups, part, m, speeds, shares))
+        return tuple(out)
+
+    def step_time(plan: ExecutionPlan, speeds: tuple[float, ...]) -> float:
+        out = max(replica_times(plan, speeds), default=0.0)
         if comm is not None and math.isfinite(out):
             out += comm.dp_sync_s(plan.tp_groups, plan.layer_partition, speeds)
         return out
 
-    return step_time
+    return step_time, replica_times
+
+
+def _make_step_time(
+    fwd: tuple[float, ...], bwd: tuple[float, ...], comm: CommModel | None = None, *, max_extra: int = 0
+) -> Callable[[ExecutionPlan, tuple[float, ...]], float]:
+    return _make_step_model(fwd, bwd, comm, max_extra=max_extra)[0]
 
 
 def runs_slow(plan: ExecutionPlan, state: ClusterState) -> bool:
@@ -583,6 +598,9 @@ class ResiHPPolicy(Memoized):
     name = "resihp"
     tp_shares = False
     """Plan with steptune's uneven TP shares (``SteptunePolicy``) instead of ResiHP's exclusion."""
+    assignment_error: float | None = PREDICTION_SIGMA
+    """Workload-aware DP assignment (``run(workload=)``): microbatches go to replicas by the predictor's
+    cost estimate, with the predictor's error."""
 
     def __init__(
         self,
@@ -764,6 +782,8 @@ class Oracle(Memoized):
     name = "oracle"
     detect_stop_steps = 0.0
     detect_slow_steps = 0.0
+    assignment_error = 0.0
+    """Assigns each step's microbatches by their exact costs (``run(workload=)``)."""
 
     def __init__(self, *, extra_prices: tuple[PriceFn, ...] = ()) -> None:
         super().__init__()
@@ -838,14 +858,22 @@ def run(
     duration_s: float,
     *,
     step_time_of: StepTimeOf | None = None,
+    workload: BatchWorkload | None = None,
 ) -> SimResult:
     """Simulate ``duration_s`` seconds of ``job`` under ``failures`` with ``policy`` deciding recoveries.
 
     ``step_time_of``: the true seconds of each step when the workload varies from step to step (the
     live jobs' own microbatches, ``livesim.LiveWorkload``); policies still plan with the job's mean
     microbatch, as a planner that cannot see the next batch would. None: every step costs the cost
-    model's time."""
+    model's time.
+
+    ``workload``: each step draws its own packed global batch (``simload``); a policy with
+    ``assignment_error`` None deals it to the replicas by count, one with a float assigns it by
+    predicted cost (that log-error; 0: exact), and the step's compute time scales by the busiest
+    replica's extra work."""
     failures = tuple(failures)
+    if step_time_of is not None and workload is not None:
+        raise ValueError("give step_time_of or workload, not both")
     if step_time_of is not None and getattr(policy, "step_time", None) is not None:
         raise ValueError(
             f"policy {policy.name!r} prices its own steps (rerouting, rescheduling); step_time_of cannot "
@@ -873,7 +901,7 @@ def run(
     base = initial_plan(cluster_state((1.0,) * n), tp=job.tp, pp=job.pp, dp=job.dp, global_microbatches=gmb)
     comm = comm_model(job.model, job.cluster, job.tokens_per_microbatch, n) if job.comm else None
     ones = (1.0,) * (2 * n if comm else n)
-    step_time = _make_step_time(fwd, bwd, comm)
+    step_time, replica_times = _make_step_model(fwd, bwd, comm)
     healthy = step_time(base, ones)
     share = 0.0 if comm is None else 1.0 - _make_step_time(fwd, bwd)(base, ones) / healthy
     lf, lb, lw = layer_phase_times(job)
@@ -932,6 +960,18 @@ def run(
             continue
         if step_time_of is not None:
             st = step_time_of(steps, plan, truth)
+        elif workload is not None:
+            sigma = getattr(policy, "assignment_error", None)
+            guess = None if sigma is None else workload.predicted(steps, float(sigma))
+            g = workload_factor(
+                plan,
+                replica_times(plan, truth),
+                workload.costs(steps),
+                guess,
+                None if guess is None else replica_times(plan, observed),
+            )
+            sync = dp_sync_s(plan, truth, ctx)
+            st = (st - sync) * g + sync
         in_plan = {d for g in plan.tp_groups for d in g}
         abort = min(
             (

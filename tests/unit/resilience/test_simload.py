@@ -1,0 +1,90 @@
+"""Sequence-length variability in the cluster simulator (``simload``): SIMULATED."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from steptune.resilience import sim
+from steptune.resilience.simload import BatchWorkload, replica_work, workload_factor
+
+
+@pytest.fixture(scope="module")
+def code() -> BatchWorkload:
+    return BatchWorkload.for_job("llama2-7b", token_budget=16384, microbatches=32, lengths="code", seed=3)
+
+
+def test_costs_are_relative_to_the_mean_and_the_same_for_every_caller(code: BatchWorkload) -> None:
+    w = np.stack([code.costs(s) for s in range(200)])
+    assert abs(w.mean() - 1.0) < 0.02
+    cv = w.std(axis=1).mean()
+    assert 0.2 < cv < 0.45, cv  # packed long-tailed lengths (the 128-GPU trace: 0.34 per microbatch)
+    assert np.array_equal(code.costs(7), code.costs(7))
+    assert not np.array_equal(code.costs(7), code.costs(8))
+    assert np.array_equal(code.predicted(7, 0.0), code.costs(7))
+    err = np.abs(np.log(code.predicted(7, 0.03) / code.costs(7)))
+    assert 0.0 < err.mean() < 0.06
+
+
+def test_count_deal_takes_batch_order_and_cost_assignment_balances(code: BatchWorkload) -> None:
+    w = code.costs(0)
+    x = replica_work((8, 8, 8, 8), (1.0,) * 4, w)
+    assert x == pytest.approx([w[i * 8 : (i + 1) * 8].mean() for i in range(4)])
+    by_count, by_cost = [], []
+    for s in range(50):
+        w = code.costs(s)
+        by_count.append(max(replica_work((8,) * 4, (1.0,) * 4, w)) / w.mean())
+        by_cost.append(max(replica_work((8,) * 4, (1.0,) * 4, w, w)) / w.mean())
+    assert np.mean(by_cost) < 1.02 < np.mean(by_count)
+    # A replica believed twice as slow per microbatch gets about half the work per planned microbatch.
+    x = replica_work((8, 8, 8, 8), (1.0, 1.0, 1.0, 2.0), w, w)
+    assert x[3] < 0.7 * min(x[:3])
+
+
+def test_workload_factor_prices_the_busiest_replica_and_skips_unpriceable_ones(code: BatchWorkload) -> None:
+    plan = sim.ExecutionPlan(
+        version=0,
+        tp_groups=((0,), (1,), (2,), (3,)),
+        layer_partition=((4,),) * 4,
+        microbatches=(8, 8, 8, 8),
+    )
+    w = code.costs(1)
+    x = replica_work(plan.microbatches, (1.0,) * 4, w)
+    assert workload_factor(plan, (1.0,) * 4, w) == pytest.approx(max(x))
+    # A slow replica dominates: its own extra work matters, not the busiest fast one's.
+    assert workload_factor(plan, (1.0, 1.0, 1.0, 2.0), w) == pytest.approx(max(max(x[:3]) / 2, x[3]))
+    assert workload_factor(plan, (1.0, 1.0, float("inf"), 1.0), w) == pytest.approx(max(x[:2] + x[3:]))
+
+
+def _job() -> sim.SimJob:
+    return sim.SimJob(
+        model="llama2-7b", tp=2, pp=4, dp=4, global_microbatches=32, tokens_per_microbatch=16384
+    )
+
+
+def test_equal_microbatches_reproduce_the_plain_simulation() -> None:
+    job = _job()
+    fails = (sim.FailureEvent(kind="fail-slow", device=5, start_s=300.0, duration_s=900.0, factor=0.5),)
+    flat = BatchWorkload.for_job("llama2-7b", token_budget=16384, microbatches=32, lengths="uniform")
+    assert np.allclose(flat.costs(0), 1.0)
+    for policy in (sim.NoOp(), sim.ResiHPPolicy()):
+        plain = sim.run(job, policy, fails, 3600.0)
+        varied = sim.run(job, policy, fails, 3600.0, workload=flat)
+        assert varied.steps == plain.steps
+        assert [t for _, t, _ in varied.timeline] == pytest.approx([t for _, t, _ in plain.timeline])
+
+
+def test_cost_aware_assignment_beats_the_count_deal_on_a_healthy_job(code: BatchWorkload) -> None:
+    job = _job()
+    noop = sim.run(job, sim.NoOp(), (), 3600.0, workload=code)
+    resihp = sim.run(job, sim.ResiHPPolicy(), (), 3600.0, workload=code)
+    oracle = sim.run(job, sim.Oracle(), (), 3600.0, workload=code)
+    plain = sim.run(job, sim.NoOp(), (), 3600.0)
+    assert noop.tokens < plain.tokens  # the busiest replica paces each step
+    assert resihp.tokens_per_s > 1.01 * noop.tokens_per_s
+    assert oracle.tokens >= resihp.tokens
+
+
+def test_step_time_of_and_workload_are_exclusive(code: BatchWorkload) -> None:
+    with pytest.raises(ValueError, match="not both"):
+        sim.run(_job(), sim.NoOp(), (), 60.0, step_time_of=lambda s, p, v: 1.0, workload=code)
