@@ -40,6 +40,7 @@ from steptune.resilience.sim import (
     run,
 )
 from steptune.resilience.simload import BatchWorkload
+from steptune.resilience.workload import LengthDist
 
 __all__ = [
     "BENCH_MODELS",
@@ -123,7 +124,7 @@ def job_for(model: str) -> SimJob:
     )
 
 
-def workload_for(job: SimJob, lengths: str | None, *, seed: int = 0) -> BatchWorkload | None:
+def workload_for(job: SimJob, lengths: str | LengthDist | None, *, seed: int = 0) -> BatchWorkload | None:
     """Each step's packed global batch drawn from the ``lengths`` preset (``simload``); None: every
     microbatch costs the mean."""
     if lengths is None:
@@ -196,7 +197,7 @@ class RowTask:
     det: DetectorCosts
     rates: Rates | None = None
     policies: tuple[str, ...] = POLICIES
-    lengths: str | None = "code"
+    lengths: str | LengthDist | None = "code"
 
 
 def run_row(task: RowTask) -> dict[str, Any]:
