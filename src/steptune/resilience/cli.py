@@ -147,6 +147,17 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+_SHORT = {
+    "recycle": "/ReCycle",
+    "oobleck": "/Oobleck",
+    "greyhound": "/Greyh.",
+    "adaptra": "/Adaptra",
+    "strengthened-recycle": "/s.ReCycle",
+    "strengthened-oobleck": "/s.Oobleck",
+    "noop": "/no-op",
+}
+
+
 def _lengths(name: str) -> str | None:
     return None if name == "mean" else name
 
@@ -266,7 +277,7 @@ def _sweep(args: argparse.Namespace) -> int:
     t = Table(
         title=f"length-spread sensitivity of throughput, {args.model} {lt['kind']} (SIMULATED): "
         "ours / baseline",
-        columns=["sigma", "mb cost CV", "policy", "of oracle", *(f"vs {b}" for b in vs)],
+        columns=["sigma", "mb cost CV", "policy", "of oracle", *(_SHORT.get(b, b) for b in vs)],
     )
     for r in lt["rows"]:
         for ours, xs in r["ratio_vs"].items():
