@@ -12,6 +12,7 @@ closing think tag and an opening code fence (the Dynasor-style fork; see specgen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from steptune.kernels.agent import Candidate, Delta, EvalOutcome, Prompt
@@ -126,7 +127,16 @@ class RealEval:
             if not out.done():
                 out.set_result(outcome)
 
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
+        def relay(f: Any) -> None:
+            # A result that lands after the search's event loop closed (the wall clock ran out while
+            # it was still being evaluated) has nobody waiting for it: drop it instead of raising in
+            # the pool's thread.
+            if loop.is_closed():
+                return
+            with contextlib.suppress(RuntimeError):  # closed between the check and the call
+                loop.call_soon_threadsafe(done, f)
+
+        fut.add_done_callback(relay)
         out.add_done_callback(lambda o: fut.cancel() if o.cancelled() else None)  # drop it if still queued
         return out
 
