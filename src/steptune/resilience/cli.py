@@ -158,6 +158,16 @@ _SHORT = {
 }
 
 
+def _add_lengths(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lengths",
+        choices=("code", "chat", "uniform", "mean"),
+        default="code",
+        help="sequence lengths each step's packed batch is drawn from (baselines deal it to DP replicas by "
+        "count, ResiHP and steptune by predicted cost); mean: every microbatch costs the mean",
+    )
+
+
 def _lengths(name: str) -> str | None:
     return None if name == "mean" else name
 
@@ -187,6 +197,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from steptune.core.report import Table
+    from steptune.resilience.bench import POLICIES
     from steptune.resilience.sweep import (
         fail_slow_duration_sweep,
         failure_rate_sweep,
@@ -265,14 +276,8 @@ def _sweep(args: argparse.Namespace) -> int:
         workers=args.workers,
         progress=say,
     )
-    vs = (
-        "recycle",
-        "oobleck",
-        "greyhound",
-        "adaptra",
-        "strengthened-recycle",
-        "strengthened-oobleck",
-        "noop",
+    vs = tuple(
+        b for b in POLICIES if b not in ("resihp", "steptune", "malleus-lite", "ckpt-restart", "oracle")
     )
     t = Table(
         title=f"length-spread sensitivity of throughput, {args.model} {lt['kind']} (SIMULATED): "
@@ -600,13 +605,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="do not price TP/PP/DP communication (link fail-slows are then rejected)",
     )
-    sim.add_argument(
-        "--lengths",
-        choices=("code", "chat", "uniform", "mean"),
-        default="code",
-        help="sequence lengths each step's packed batch is drawn from (baselines deal it to DP replicas by "
-        "count, ResiHP and steptune by predicted cost); mean: every microbatch costs the mean",
-    )
+    _add_lengths(sim)
     sim.add_argument("--json", type=Path, default=None)
     sim.set_defaults(func=_simulate)
     b = verbs.add_parser("bench", help="every policy on the same simulated 256-GPU scenarios (JSON, table)")
@@ -616,13 +615,7 @@ def register(sub: Any) -> None:
     )
     b.add_argument("--workers", type=positive_int, default=2, help="processes")
     b.add_argument("--models", default=None, help="comma-separated model presets (default: all seven)")
-    b.add_argument(
-        "--lengths",
-        choices=("code", "chat", "uniform", "mean"),
-        default="code",
-        help="sequence lengths each step's packed batch is drawn from (baselines deal it to DP replicas by "
-        "count, ResiHP and steptune by predicted cost); mean: every microbatch costs the mean",
-    )
+    _add_lengths(b)
     b.add_argument("--json", type=Path, required=True)
     b.add_argument("--plot", type=Path, default=None, help="PNG of the ratios per scenario kind")
     b.set_defaults(func=_bench)

@@ -88,3 +88,21 @@ def test_cost_aware_assignment_beats_the_count_deal_on_a_healthy_job(code: Batch
 def test_step_time_of_and_workload_are_exclusive(code: BatchWorkload) -> None:
     with pytest.raises(ValueError, match="not both"):
         sim.run(_job(), sim.NoOp(), (), 60.0, step_time_of=lambda s, p, v: 1.0, workload=code)
+
+
+def test_simulate_cli_draws_lengths_unless_told_mean(tmp_path) -> None:
+    import json
+
+    from steptune.cli import main
+
+    out = {}
+    for lengths in ("code", "mean"):
+        path = tmp_path / f"{lengths}.json"
+        argv = ["resilience", "simulate", "--scenario", "fail-slow-medium", "--policy", "noop"]
+        argv += ["--model", "llama2-7b", "--duration", "600", "--lengths", lengths, "--json", str(path)]
+        assert main(argv) == 0
+        out[lengths] = json.loads(path.read_text())
+    assert out["code"]["lengths"] == "code" and out["mean"]["lengths"] is None
+    # dealt by count, the drawn batches leave one replica busier than the mean every step
+    code, mean = (out[k]["policies"]["noop"]["tokens_per_s"] for k in ("code", "mean"))
+    assert code < mean
