@@ -963,13 +963,7 @@ def run(
         elif workload is not None:
             sigma = getattr(policy, "assignment_error", None)
             guess = None if sigma is None else workload.predicted(steps, float(sigma))
-            g = workload_factor(
-                plan,
-                replica_times(plan, truth),
-                workload.costs(steps),
-                guess,
-                None if guess is None else replica_times(plan, observed),
-            )
+            g = workload_factor(plan, replica_times(plan, truth), workload.costs(steps), guess)
             sync = dp_sync_s(plan, truth, ctx)
             st = (st - sync) * g + sync
         in_plan = {d for g in plan.tp_groups for d in g}

@@ -108,18 +108,14 @@ def _costs(wl: BatchWorkload, step: int) -> np.ndarray:
 
 
 def replica_work(
-    counts: Sequence[int],
-    believed: Sequence[float],
-    costs: np.ndarray,
-    predicted: np.ndarray | None = None,
+    counts: Sequence[int], costs: np.ndarray, predicted: np.ndarray | None = None
 ) -> list[float]:
     """Per replica, its work over its planned work (x_r; 1.0 for an empty replica).
 
     ``predicted`` None: dealt by count in batch order. Else longest-predicted first, each microbatch to
-    the replica whose predicted finish is earliest, at the rate the policy believes the replica runs
-    (``believed[r] / counts[r]`` seconds per unit of work: its plain time under the detected speeds).
-    When some replica has no plain time (a dead stage whose work a rerouting mechanism spreads over
-    its peers), every replica gets work in proportion to its count."""
+    the replica whose predicted load per planned microbatch is lowest: the cost-aware split balances
+    the batch's variability around the plan's counts and never changes what the counts themselves say
+    about speeds (with equal microbatches it gives every replica exactly its count)."""
     n = len(counts)
     used = [r for r in range(n) if counts[r] > 0]
     load = [0.0] * n
@@ -129,11 +125,9 @@ def replica_work(
             load[r] = float(costs[start : start + counts[r]].sum())
             start += counts[r]
     else:
-        priced = all(math.isfinite(believed[r]) and believed[r] > 0 for r in used)
-        rate = {r: believed[r] / counts[r] if priced else 1.0 / counts[r] for r in used}  # s per unit
         guess = [0.0] * n
         for i in np.argsort(-predicted, kind="stable"):
-            r = min(used, key=lambda q: (guess[q] + predicted[i]) * rate[q])
+            r = min(used, key=lambda q: (guess[q] + predicted[i]) / counts[q])
             guess[r] += float(predicted[i])
             load[r] += float(costs[i])
     return [load[r] / counts[r] if counts[r] > 0 else 1.0 for r in range(n)]
@@ -144,20 +138,28 @@ def workload_factor(
     times: Sequence[float],
     costs: np.ndarray,
     predicted: np.ndarray | None = None,
-    believed: Sequence[float] | None = None,
 ) -> float:
-    """max_r(T_r x x_r) / max_r(T_r) over the replicas the model can price (1.0 when none), with
-    ``times`` the replicas' plain times under the true speeds and ``believed`` under the speeds the
-    policy has detected (default: ``times``), which steer a cost-aware assignment."""
+    """max_r(T_r x x_r) / max_r(T_r), with ``times`` the replicas' plain times under the true speeds.
+
+    A replica the plain model cannot price (a dead stage whose work a rerouting mechanism spreads over
+    its peers) still runs its own microbatches through its live stages and those peers: it counts at
+    the slowest priced replica's time. 1.0 when no replica is priced."""
     if len(costs) != sum(plan.microbatches):
         costs = _resized(costs, sum(plan.microbatches))
         predicted = None if predicted is None else _resized(predicted, len(costs))
-    x = replica_work(plan.microbatches, times if believed is None else believed, costs, predicted)
-    finite = [(t, xr) for t, xr, m in zip(times, x, plan.microbatches, strict=True) if m and math.isfinite(t)]
-    if not finite:
+    x = replica_work(plan.microbatches, costs, predicted)
+    finite = [t for t, m in zip(times, plan.microbatches, strict=True) if m and math.isfinite(t)]
+    if not finite or max(finite) <= 0:
         return 1.0
-    plain = max(t for t, _ in finite)
-    return max(t * xr for t, xr in finite) / plain if plain > 0 else 1.0
+    plain = max(finite)
+    return (
+        max(
+            (t if math.isfinite(t) else plain) * xr
+            for t, xr, m in zip(times, x, plan.microbatches, strict=True)
+            if m
+        )
+        / plain
+    )
 
 
 def _resized(a: np.ndarray, n: int) -> np.ndarray:

@@ -208,8 +208,11 @@ def length_throughput_sweep(
                         b: (t[ours] / x if x > 0 else None) for b, x in t.items() if b not in (ours, "oracle")
                     }
                     for ours in ("resihp", "steptune")
+                    if ours in t
                 },
-                "of_oracle": {p: t[p] / t["oracle"] for p in ("resihp", "steptune")},
+                "of_oracle": {
+                    p: t[p] / t["oracle"] for p in ("resihp", "steptune") if p in t and "oracle" in t
+                },
             }
         )
     return {"model": model, "kind": kind, "duration_s": duration_s, "rows": out, "simulated": True}

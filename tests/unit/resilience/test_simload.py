@@ -28,20 +28,32 @@ def test_costs_are_relative_to_the_mean_and_the_same_for_every_caller(code: Batc
 
 def test_count_deal_takes_batch_order_and_cost_assignment_balances(code: BatchWorkload) -> None:
     w = code.costs(0)
-    x = replica_work((8, 8, 8, 8), (1.0,) * 4, w)
+    x = replica_work((8, 8, 8, 8), w)
     assert x == pytest.approx([w[i * 8 : (i + 1) * 8].mean() for i in range(4)])
     by_count, by_cost = [], []
     for s in range(50):
         w = code.costs(s)
-        by_count.append(max(replica_work((8,) * 4, (1.0,) * 4, w)) / w.mean())
-        by_cost.append(max(replica_work((8,) * 4, (1.0,) * 4, w, w)) / w.mean())
+        by_count.append(max(replica_work((8,) * 4, w)) / w.mean())
+        by_cost.append(max(replica_work((8,) * 4, w, w)) / w.mean())
     assert np.mean(by_cost) < 1.02 < np.mean(by_count)
-    # A replica believed twice as slow per microbatch gets about half the work per planned microbatch.
-    x = replica_work((8, 8, 8, 8), (1.0, 1.0, 1.0, 2.0), w, w)
-    assert x[3] < 0.7 * min(x[:3])
+    # Uneven counts: the split balances work per planned microbatch, so a replica planned for half
+    # as many gets about half the work.
+    x = replica_work((12, 12, 12, 4), w, w)
+    assert max(x) / min(x) < 1.15
 
 
-def test_workload_factor_prices_the_busiest_replica_and_skips_unpriceable_ones(code: BatchWorkload) -> None:
+def test_equal_microbatches_keep_the_plan_counts_exactly() -> None:
+    # The cost-aware split must not quietly fix the plan's counts (a DP rebalance the policy did not
+    # pay for): with equal costs every replica gets exactly its count, however unequal the replicas.
+    ones = np.ones(40)
+    assert replica_work((13, 13, 13, 1), ones, ones) == pytest.approx([1.0] * 4)
+    plan = sim.ExecutionPlan(
+        version=0, tp_groups=((0,), (1,), (2,), (3,)), layer_partition=((4,),) * 4, microbatches=(10,) * 4
+    )
+    assert workload_factor(plan, (1.0, 0.9, 0.9, 0.9), np.ones(40), np.ones(40)) == pytest.approx(1.0)
+
+
+def test_workload_factor_prices_the_busiest_replica_including_rerouted_ones(code: BatchWorkload) -> None:
     plan = sim.ExecutionPlan(
         version=0,
         tp_groups=((0,), (1,), (2,), (3,)),
@@ -49,11 +61,14 @@ def test_workload_factor_prices_the_busiest_replica_and_skips_unpriceable_ones(c
         microbatches=(8, 8, 8, 8),
     )
     w = code.costs(1)
-    x = replica_work(plan.microbatches, (1.0,) * 4, w)
+    x = replica_work(plan.microbatches, w)
     assert workload_factor(plan, (1.0,) * 4, w) == pytest.approx(max(x))
     # A slow replica dominates: its own extra work matters, not the busiest fast one's.
     assert workload_factor(plan, (1.0, 1.0, 1.0, 2.0), w) == pytest.approx(max(max(x[:3]) / 2, x[3]))
-    assert workload_factor(plan, (1.0, 1.0, float("inf"), 1.0), w) == pytest.approx(max(x[:2] + x[3:]))
+    # A replica with a dead stage (rerouted) still carries its own microbatches, at the slowest priced
+    # replica's time.
+    assert workload_factor(plan, (1.0, 1.0, float("inf"), 1.0), w) == pytest.approx(max(x))
+    assert workload_factor(plan, (float("inf"),) * 4, w) == 1.0
 
 
 def _job() -> sim.SimJob:
