@@ -8,14 +8,17 @@ the model's FLOP coefficients) decides how much work each DP replica gets:
 - dealt by count (Megatron's data sampler, and every baseline: their redistributions change counts,
   not which microbatches): replica r takes the next ``c_r`` microbatches of the batch;
 - assigned by predicted cost (ResiHP's workload-aware DP step, and steptune's): longest-predicted first,
-  each to the replica that would finish it earliest at its planned rate; predictions carry the
-  predictor's error (lognormal, ``Policy.assignment_error``); the oracle's are exact.
+  each to the replica with the least predicted work per planned microbatch, so the split balances the
+  batch's variability around the plan's counts (it never changes the counts: with equal microbatches
+  every replica gets exactly its count); predictions carry the predictor's error (lognormal,
+  ``Policy.assignment_error``); the oracle's are exact.
 
 A replica's time scales with its work over its planned work (``T_r x load_r / c_r``, the pipeline's
 fill and drain ignored), and the step's compute time scales by max_r(T_r x_r) / max_r(T_r), where T_r
-are the plain 1F1B times of the plan's replicas under the true speeds. A policy that prices its own
-steps (ReCycle's rerouting, Adaptra's rescheduling) gets the same factor on its price. The DP gradient
-sync does not scale. Everything here is SIMULATED.
+are the plain 1F1B times of the plan's replicas under the true speeds (a replica with a dead stage,
+rerouted, at the slowest priced replica's time). A policy that prices its own steps (ReCycle's
+rerouting, Adaptra's rescheduling) gets the same factor on its price. The DP gradient sync does not
+scale. Everything here is SIMULATED.
 """
 
 from __future__ import annotations
