@@ -92,9 +92,8 @@ def _policies_on_one_scenario(out_dir: Path, *, quick: bool) -> tuple[Table, Pat
         d = row["detail"][name]
         table.add(name, tps[name], tps[name] / tps["oracle"], d["stall_s"], d["lost_s"], d["halted_s"])
     table.notes.append(
-        "communication priced; each step's packed batch drawn from the code length preset (baselines split "
-        "it by count, ResiHP and steptune by predicted cost); `steptune resilience bench` runs 42 "
-        "scenarios; docs/resilience.md lists the assumptions and the baselines' fidelity"
+        "communication priced; `steptune resilience bench` runs 42 scenarios; docs/resilience.md lists the "
+        "assumptions and the baselines' fidelity"
     )
     plot = bars(
         list(policies),

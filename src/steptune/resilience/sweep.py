@@ -7,9 +7,7 @@
   and steptune's ratios over the home baselines.
 - Length CV: the detector study on length distributions of increasing spread (lognormal sigma), with
   the healthy microbatch and step CVs they produce: how many false alarms each detector raises as the
-  workload varies more, and whether ResiHP still catches 1.25x fail-slows. And the throughput side
-  (``length_throughput_sweep``): one scenario whose steps draw their batches from each spread, baselines
-  splitting them among DP replicas by count, ResiHP and steptune by predicted cost.
+  workload varies more, and whether ResiHP still catches 1.25x fail-slows.
 """
 
 from __future__ import annotations
@@ -22,20 +20,12 @@ from typing import Any
 import numpy as np
 
 from steptune.core.specs import Phase, cluster_preset, model_preset
-from steptune.resilience.bench import (
-    HOME,
-    POLICIES,
-    RowTask,
-    job_for,
-    measure_detectors,
-    run_rows,
-    workload_for,
-)
+from steptune.resilience.bench import HOME, POLICIES, RowTask, measure_detectors, run_rows
 from steptune.resilience.evaluate import JobSpec, detector_scores, simulate_run
 from steptune.resilience.scenarios import Rates
 from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
 
-__all__ = ["fail_slow_duration_sweep", "failure_rate_sweep", "length_cv_sweep", "length_throughput_sweep"]
+__all__ = ["fail_slow_duration_sweep", "failure_rate_sweep", "length_cv_sweep"]
 
 _SWEEP_POLICIES = tuple(p for p in POLICIES if p not in ("malleus-lite", "noop"))
 
@@ -169,53 +159,6 @@ def length_cv_sweep(
             }
         )
     return {"runs": runs, "steps": steps, "factor": 1.25, "rows": out, "simulated": True}
-
-
-def length_throughput_sweep(
-    *,
-    model: str = "llama2-13b",
-    kind: str = "mixed",
-    sigmas: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5),
-    duration_s: float = 7200.0,
-    detector_runs: int = 12,
-    workers: int = 2,
-    progress: Callable[[str], None] | None = None,
-    policies: tuple[str, ...] = POLICIES,
-) -> dict[str, Any]:
-    """One ``kind`` scenario per lognormal sigma of the ``code`` preset (0: every sequence the median
-    length, so every packed microbatch costs the same): ResiHP's and steptune's tokens/s over every
-    baseline's and the oracle's, and the microbatch cost CV the spread gives."""
-    _, det = measure_detectors(detector_runs)
-    code = LENGTH_PRESETS["code"]
-    dists = [replace(code, sigma=s) for s in sigmas]
-    tasks = [
-        RowTask(model=model, kind=kind, seed=0, duration_s=duration_s, det=det, lengths=d, policies=policies)
-        for d in dists
-    ]
-    out = []
-    for sigma, dist, row in zip(sigmas, dists, run_rows(tasks, workers, progress), strict=True):
-        t = row["tokens_per_s"]
-        job = job_for(model)
-        w = np.concatenate([workload_for(job, dist).costs(s) for s in range(50)])  # type: ignore[union-attr]
-        out.append(
-            {
-                "sigma": sigma,
-                "microbatch_cost_cv": float(w.std() / w.mean()),
-                "failures": row["failures"],
-                "tokens_per_s": t,
-                "ratio_vs": {
-                    ours: {
-                        b: (t[ours] / x if x > 0 else None) for b, x in t.items() if b not in (ours, "oracle")
-                    }
-                    for ours in ("resihp", "steptune")
-                    if ours in t
-                },
-                "of_oracle": {
-                    p: t[p] / t["oracle"] for p in ("resihp", "steptune") if p in t and "oracle" in t
-                },
-            }
-        )
-    return {"model": model, "kind": kind, "duration_s": duration_s, "rows": out, "simulated": True}
 
 
 def _forward_times(job: JobSpec, seed: int, n: int = 400) -> np.ndarray:

@@ -105,7 +105,7 @@ def test_step_time_of_and_workload_are_exclusive(code: BatchWorkload) -> None:
         sim.run(_job(), sim.NoOp(), (), 60.0, step_time_of=lambda s, p, v: 1.0, workload=code)
 
 
-def test_simulate_cli_draws_lengths_unless_told_mean(tmp_path) -> None:
+def test_simulate_cli_draws_lengths_only_when_asked(tmp_path) -> None:
     import json
 
     from steptune.cli import main
