@@ -121,3 +121,45 @@ def test_simulate_cli_draws_lengths_only_when_asked(tmp_path) -> None:
     # dealt by count, the drawn batches leave one replica busier than the mean every step
     code, mean = (out[k]["policies"]["noop"]["tokens_per_s"] for k in ("code", "mean"))
     assert code < mean
+
+
+def test_in_a_deep_pipeline_the_order_of_microbatches_matters_more_than_the_split() -> None:
+    """Why ``simload`` stays out of the bench's figures: under the exact 1F1B schedule, balancing the
+    replicas' totals does not shorten a 16-stage step; running the microbatches longest first does."""
+    from steptune.pipeline.costs import StageCosts
+    from steptune.pipeline.simulate import makespan
+
+    wl = BatchWorkload.for_job("llama2-7b", token_budget=16384, microbatches=128)
+    ns, m = 16, 32
+    unit, zero = (1.0,) * ns, (0.0,) * ns
+    costs = StageCosts(f=unit, i=(2.0,) * ns, w=zero, act_bytes=zero, out_bytes=zero, static_bytes=zero)
+    base = makespan(sim.cached_one_f_one_b(ns, m), costs)
+
+    def step(replicas: list[np.ndarray]) -> float:
+        return (
+            max(
+                makespan(
+                    sim.cached_one_f_one_b(ns, len(mb)),
+                    costs,
+                    durations=lambda a, mb=mb: mb[a.microbatch] * (1.0 if a.kind.value == "F" else 2.0),
+                )
+                for mb in replicas
+            )
+            / base
+        )
+
+    by_count, by_cost, longest_first = [], [], []
+    for s in range(8):
+        w = wl.costs(s)
+        by_count.append(step([w[i * m : (i + 1) * m] for i in range(4)]))
+        lists: list[list[int]] = [[] for _ in range(4)]
+        loads = [0.0] * 4
+        for i in np.argsort(-w, kind="stable"):
+            r = min((q for q in range(4) if len(lists[q]) < m), key=lambda q: loads[q])
+            loads[r] += w[i]
+            lists[r].append(int(i))
+        by_cost.append(step([w[sorted(x)] for x in lists]))
+        longest_first.append(step([np.sort(w[x])[::-1] for x in lists]))
+    assert np.mean(by_count) > 1.2  # bubbles from unequal microbatches in batch order
+    assert abs(np.mean(by_cost) / np.mean(by_count) - 1) < 0.02  # balanced totals do not help
+    assert np.mean(longest_first) < 1.1  # ordering does
