@@ -45,7 +45,7 @@ import numpy as np
 
 from steptune.core.specs import Phase, cluster_preset, model_preset
 from steptune.resilience.plan import ExecutionPlan
-from steptune.resilience.workload import LENGTH_PRESETS, LengthDist, StageModel, pack
+from steptune.resilience.workload import LENGTH_PRESETS, LengthDist, StageModel, features, pack
 
 __all__ = ["PREDICTION_SIGMA", "BatchWorkload", "replica_work", "workload_factor"]
 
@@ -91,12 +91,8 @@ class BatchWorkload:
         )
 
     def _raw(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        packs = pack(rng, self.lengths, self.token_budget, n)
-        out = np.empty(n)
-        for i, p in enumerate(packs):
-            arr = np.asarray(p, dtype=np.float64)
-            out[i] = self.lin * arr.sum() + self.quad * (arr * arr).sum()
-        return out
+        nq = np.array([features(p) for p in pack(rng, self.lengths, self.token_budget, n)])
+        return self.lin * nq[:, 0] + self.quad * nq[:, 1]
 
     @functools.cached_property
     def mean_cost(self) -> float:
@@ -160,9 +156,9 @@ def workload_factor(
     A replica the plain model cannot price (a dead stage whose work a rerouting mechanism spreads over
     its peers) still runs its own microbatches through its live stages and those peers: it counts at
     the slowest priced replica's time. 1.0 when no replica is priced."""
-    if len(costs) != sum(plan.microbatches):
-        costs = _resized(costs, sum(plan.microbatches))
-        predicted = None if predicted is None else _resized(predicted, len(costs))
+    if len(costs) != sum(plan.microbatches):  # a plan that runs fewer or more microbatches: cycle the batch
+        costs = np.resize(costs, sum(plan.microbatches))
+        predicted = None if predicted is None else np.resize(predicted, len(costs))
     x = replica_work(plan.microbatches, costs, predicted)
     finite = [t for t, m in zip(times, plan.microbatches, strict=True) if m and math.isfinite(t)]
     if not finite or max(finite) <= 0:
@@ -176,9 +172,3 @@ def workload_factor(
         )
         / plain
     )
-
-
-def _resized(a: np.ndarray, n: int) -> np.ndarray:
-    """A plan that runs fewer (or more) microbatches than the batch was drawn with: its first ``n``
-    (cycling when it needs more)."""
-    return np.resize(a, n)
