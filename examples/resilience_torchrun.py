@@ -81,6 +81,10 @@ def main() -> None:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"world": dist.get_world_size(), "steps": rows}, indent=2))
+    # Both ranks reach teardown together: a rank that tears gloo down while its peer still holds the
+    # connection can abort at exit ("terminate called without an active exception"; once, in a
+    # clean-clone suite run on 2026-12-01).
+    dist.barrier(group=group)
     dist.destroy_process_group()
 
 
