@@ -47,6 +47,7 @@ __all__ = [
     "plan_tp",
     "progressive_replan",
     "rebalanced",
+    "shares_only",
     "shares_speed",
     "should_apply",
     "uniform_repartition",
@@ -577,6 +578,27 @@ def rebalanced(state: ClusterState, plan: ExecutionPlan) -> ExecutionPlan:
     if tuple(counts) == plan.microbatches or math.isinf(t):
         return plan
     return replace(plan, version=plan.version + 1, microbatches=tuple(counts))
+
+
+def shares_only(state: ClusterState, plan: ExecutionPlan) -> ExecutionPlan:
+    """``plan`` with each TP group's dead members dropped and its units water-filled over the live ones
+    by speed (steptune's uneven shares, ``water_fill``); partition and microbatches kept. A group with no
+    live member stays as it is (only rerouting its work can run it). Same version if nothing changed."""
+    groups, shares = [], []
+    for g in plan.tp_groups:
+        live = tuple(d for d in g if state.speeds[d] > 0)
+        groups.append(live or g)
+        shares.append(
+            water_fill(live, state.speeds, state.num_heads)
+            if live
+            else _water_fill((1.0,) * len(g), state.num_heads)
+        )
+    out = replace(
+        plan,
+        tp_groups=tuple(groups),
+        tp_shares=tuple(shares) if any(len(set(c)) > 1 for c in shares) else None,
+    )
+    return plan if out == plan else replace(out, version=plan.version + 1)
 
 
 def uniform_repartition(state: ClusterState, plan: ExecutionPlan) -> ExecutionPlan | None:

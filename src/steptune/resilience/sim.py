@@ -57,6 +57,7 @@ from steptune.resilience.plan import (
     initial_plan,
     progressive_replan,
     rebalanced,
+    shares_only,
     shares_speed,
     should_apply,
     uniform_repartition,
@@ -707,10 +708,20 @@ class SteptunePolicy(ResiHPPolicy):
     name = "steptune"
     tp_shares = True
     _adapted = False
+    _moves: dict[tuple[int, int], int] | None = None
+
+    def __init__(self, *, reroute: bool = True, **kwargs: float | bool) -> None:
+        self.reroute = reroute
+        """Weigh rerouting part of slow or dead workers' microbatches to DP peers (``reroute``)."""
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.reset()
 
     def reset(self) -> None:
         super().reset()
         self._adapted = False
+        self._moves = None
+        self._mechanism: dict[tuple[ExecutionPlan, tuple[float, ...]], dict[tuple[int, int], int] | None] = {}
+        self._rerouted: dict[tuple[object, ...], float] = {}
 
     def on_step(
         self,
@@ -723,10 +734,28 @@ class SteptunePolicy(ResiHPPolicy):
     ) -> Decision:
         decision = super().on_step(t, step, observed, plan, state, ctx)
         self._adapted = runs_slow(decision.plan, state)  # reschedule as Adaptra does
+        # Reroute part of the slow or dead workers' microbatches to DP peers (``reroute``) when that
+        # beats the plain (or rescheduled) step under the detected speeds; the moves stay fixed until
+        # the next decision.
+        key = (decision.plan, observed)
+        if not self.reroute:
+            self._mechanism[key] = None
+        elif key not in self._mechanism:
+            t_moves, moves = self._reroute(decision.plan, observed, ctx)
+            self._mechanism[key] = moves if moves and t_moves < ctx.rescheduled_step_time(*key) else None
+        self._moves = self._mechanism[key]
         return decision
 
+    def _reroute(
+        self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext
+    ) -> tuple[float, dict[tuple[int, int], int]]:
+        from steptune.resilience.reroute import best_moves  # reroute prices with this module's model
+
+        return best_moves(plan, speeds, ctx)
+
     def _price(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
-        return ctx.rescheduled_step_time(plan, speeds)
+        t = ctx.rescheduled_step_time(plan, speeds)
+        return min(t, self._reroute(plan, speeds, ctx)[0]) if self.reroute else t
 
     def _more_candidates(
         self,
@@ -740,6 +769,9 @@ class SteptunePolicy(ResiHPPolicy):
         # improved by greedy moves priced by the iteration-time predictor (the simulator), not by the
         # planner's per-device speed, which misjudges slow links.
         more = [c for c in (uniform_repartition(state, plan),) if c is not None]
+        # The plan as it is with uneven shares around the fault: cheapest to switch to, and with part
+        # of the hit workers' microbatches rerouted (``_price``) often the fastest.
+        more.append(shares_only(state, plan))
         # ResiHP's replans again with a layer partition per replica (Oobleck-style heterogeneous
         # pipelines: the healthy replicas keep their split while the hit one rebalances). The live
         # counterpart syncs gradients layer-wise (``pipelined``), so replicas may hold different splits.
@@ -758,6 +790,13 @@ class SteptunePolicy(ResiHPPolicy):
         return [replace(c, version=plan.version + 1) for c in more if c != plan and c not in cands]
 
     def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
+        if self._moves:
+            from steptune.resilience.reroute import rerouted_step_time
+
+            key = (plan, speeds, tuple(sorted(self._moves.items())))
+            if key not in self._rerouted:
+                self._rerouted[key] = rerouted_step_time(plan, speeds, ctx, self._moves)
+            return self._rerouted[key]
         if self._adapted:
             return ctx.rescheduled_step_time(plan, speeds)
         return ctx.step_time(plan, speeds)
@@ -776,7 +815,8 @@ class Oracle(Memoized):
     ``extra_prices`` (other mechanisms' step times, e.g. ReCycle's rerouting or Adaptra's
     rescheduling, from ``baselines.oracle``) a plan runs at the best of all of them, so the bound
     also covers policies whose mechanism is not a plan change. Every plan, uneven shares included, may
-    also run rescheduled (steptune does).
+    also run rescheduled or with part of its slow workers' microbatches rerouted to DP peers (steptune
+    does both).
     """
 
     name = "oracle"
@@ -801,6 +841,9 @@ class Oracle(Memoized):
             # Plans with uneven TP shares are steptune's alone; no baseline mechanism runs on them.
             if plan.tp_shares is None:
                 prices += [float(f(plan, speeds, ctx)) for f in self.extra_prices]
+            from steptune.resilience.reroute import best_moves  # prices with this module's model
+
+            prices.append(best_moves(plan, speeds, ctx)[0])  # steptune's (partial) rerouting
             self._prices[key] = min(prices)
         return self._prices[key]
 
@@ -820,6 +863,7 @@ class Oracle(Memoized):
         # Greyhound's S3 (one repartition for all replicas), and greedy microbatch moves priced exactly
         # (the planner's DP step assigns by speed; with slow links the DP sync term matters too).
         cands += [c for src in (plan, ctx.base_plan) if (c := uniform_repartition(state, src)) is not None]
+        cands += [shares_only(shared, src) for src in (plan, ctx.base_plan)]  # steptune's, for rerouting
         # The moves are priced by the plain step time (per-replica cached; the other mechanisms' prices
         # would re-simulate every move), the final pick by the best of all prices.
         cands += [improve_counts(c, lambda p: ctx.step_time(p, observed)) for c in cands]

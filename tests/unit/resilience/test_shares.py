@@ -126,7 +126,8 @@ def test_steptune_gives_the_hit_replica_its_own_partition_after_a_fail_stop():
     """On the bench's llama2-70b job (TP4 PP16 DP4), one dead device: steptune also weighs ResiHP's
     replans with a layer partition per replica (the healthy replicas keep their split), adopts one, and
     gains over the same policy restricted to one shared partition; the oracle, which searches both,
-    still bounds it."""
+    still bounds it. Rerouting is off in both (with it, both keep the partition and reroute instead:
+    ``test_reroute.py``)."""
     from steptune.resilience.bench import job_for
     from steptune.resilience.sim import Oracle
 
@@ -143,7 +144,7 @@ def test_steptune_gives_the_hit_replica_its_own_partition_after_a_fail_stop():
     job = job_for("llama2-70b")
     fail = (FailureEvent(kind="fail-stop", device=17, start_s=600.0),)
     plans = []
-    ours = SteptunePolicy()
+    ours = SteptunePolicy(reroute=False)
     decide = ours.on_step
 
     def recording(*args):
@@ -153,7 +154,7 @@ def test_steptune_gives_the_hit_replica_its_own_partition_after_a_fail_stop():
 
     ours.on_step = recording
     per_replica = run(job, ours, fail, 3600.0).tokens_per_s
-    shared = run(job, SharedOnly(), fail, 3600.0).tokens_per_s
+    shared = run(job, SharedOnly(reroute=False), fail, 3600.0).tokens_per_s
     assert any(len(set(p.layer_partition)) > 1 for p in plans)  # replicas hold different splits
     assert per_replica > shared * 1.01
     assert per_replica <= run(job, Oracle(), fail, 3600.0).tokens_per_s * (1 + 1e-9)

@@ -180,13 +180,17 @@ def test_resihp_readmits_a_recovered_device() -> None:
 
 @pytest.mark.parametrize("policy", ["resihp", "steptune"])
 def test_the_healthy_step_returns_after_a_transient_fail_slow(policy: str) -> None:
-    # A whole TP group slow for 20 minutes: nothing to exclude, so the layers move off its stage. After
-    # the fault the first partition (and the healthy step) come back.
+    # A whole TP group slow for 20 minutes: nothing to exclude, so ResiHP moves layers off its stage
+    # (steptune reroutes part of its microbatches to DP peers instead). After the fault the first
+    # partition (and the healthy step) come back.
     slow = [
         FailureEvent(kind="fail-slow", device=d, start_s=600.0, duration_s=1200, factor=0.4) for d in (8, 9)
     ]
     res = run(JOB, POLICIES[policy](), slow, 3600.0)
     healthy = _run("noop", "fail-slow").timeline[0][1]
-    assert max(st for t, st, _ in res.timeline if 700 < t < 1800) > 1.05 * healthy  # slowed, adapted
-    assert len({v for _, _, v in res.timeline}) >= 3
+    during = max(st for t, st, _ in res.timeline if 700 < t < 1800)
+    unadapted = max(st for t, st, _ in run(JOB, NoOp(), slow, 3600.0).timeline if 700 < t < 1800)
+    assert 1.02 * healthy < during < 0.9 * unadapted  # slowed, adapted
+    if policy == "resihp":
+        assert len({v for _, _, v in res.timeline}) >= 3
     assert res.timeline[-1][1] == pytest.approx(healthy, rel=1e-9)
