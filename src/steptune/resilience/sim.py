@@ -557,6 +557,10 @@ def _try_replan(
         return None
 
 
+Option = tuple[float, float, object]
+"""A way to run a plan: (step time, stall of switching to it, mechanism: steptune's rerouting moves)."""
+
+
 class Memoized:
     """A policy whose decision depends only on (job, plan, observed speeds): decide once, reuse."""
 
@@ -631,6 +635,8 @@ class ResiHPPolicy(Memoized):
         if min(used) >= 1.0 and plan.tp_shares is None:
             return self._readmit(plan, state, observed, ctx)
         dur = math.inf if min(used) <= 0 else self.expected_slow_s
+        if min(used) >= 1.0:  # healthy again, on steptune's uneven shares (ResiHP readmits above)
+            dur = self._readmit_horizon_s()
         # Candidates: the gated progressive plan and the ungated one; the iteration-time predictor
         # (the pipeline simulator's critical path, not the planner's closed form) and the ski-rental
         # horizon pick among them. No candidate means no replica survives: down until devices return.
@@ -640,20 +646,37 @@ class ResiHPPolicy(Memoized):
             if cand is not None and cand not in cands:
                 cands.append(cand)
         cands += self._more_candidates(cands, plan, observed, state, ctx)
-        t_now = self._price(plan, observed, ctx)
+        t_now = self._running_on(plan, observed, ctx)[0]
 
-        def total(c: ExecutionPlan) -> tuple[float, float]:
-            t_c, cost = self._price(c, observed, ctx), reconfig_cost(plan, c, ctx.job.reconfig)
+        def total(o: Option) -> tuple[float, float]:
+            t_c, cost, _ = o
             if math.isinf(dur) or math.isinf(t_now):
                 return (t_c, cost)
             return (cost + dur / t_now * t_c, 0.0)  # seconds to run the fault's steps
 
-        new = min(cands, key=total)  # replans come back as version + 1 already
-        return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
+        best = {c: min(self._options(plan, c, observed, ctx), key=total) for c in cands}
+        new = min(cands, key=lambda c: total(best[c]))  # replans come back as version + 1 already
+        self._picked(plan, observed, best[new][2])
+        return Decision(new, best[new][1])
 
-    def _price(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
-        """The step time this policy's runtime would get from ``plan`` under ``speeds``."""
-        return ctx.step_time(plan, speeds)
+    def _options(
+        self, plan: ExecutionPlan, new: ExecutionPlan, observed: tuple[float, ...], ctx: SimContext
+    ) -> list[Option]:
+        """The ways to run ``new`` after ``plan``: (step time under ``observed``, switching stall,
+        mechanism). ResiHP has one: the plan as its runtime runs it, for ``reconfig_cost``."""
+        return [(ctx.step_time(new, observed), reconfig_cost(plan, new, ctx.job.reconfig), None)]
+
+    def _running_on(self, plan: ExecutionPlan, observed: tuple[float, ...], ctx: SimContext) -> Option:
+        """The free option of ``plan`` itself: running on as it is."""
+        return min((o for o in self._options(plan, plan, observed, ctx) if o[1] == 0), key=lambda o: o[0])
+
+    def _picked(self, plan: ExecutionPlan, observed: tuple[float, ...], mechanism: object) -> None:
+        """The decision from (``plan``, ``observed``) runs with ``mechanism`` (steptune keeps it)."""
+
+    def _readmit_horizon_s(self) -> float:
+        """The ski-rental horizon for undoing a fault's changes once it is over: ResiHP uses the fault's
+        (``expected_slow_s``); steptune the time until the next fault (unbounded)."""
+        return self.expected_slow_s
 
     def _more_candidates(
         self,
@@ -685,16 +708,14 @@ class ResiHPPolicy(Memoized):
             new = _try_replan(state, ctx.base_plan, math.inf, ctx.job.reconfig, self.per_replica_partitions)
             if new is not None:
                 cands.append(new)
-        t_now = self._price(plan, observed, ctx)
-        best, best_t = plan, t_now
-        for c in cands:
-            c = replace(c, version=plan.version + 1)
-            t_c, cost = self._price(c, observed, ctx), reconfig_cost(plan, c, ctx.job.reconfig)
-            if t_c < best_t and should_apply(t_now, t_c, self.expected_slow_s, cost):
-                best, best_t = c, t_c
-        if best is plan:
-            return Decision(plan)
-        return Decision(best, reconfig_cost(plan, best, ctx.job.reconfig))
+        now = self._running_on(plan, observed, ctx)
+        best, best_o = plan, now
+        for c in (plan, *(replace(c, version=plan.version + 1) for c in cands)):
+            for o in self._options(plan, c, observed, ctx):
+                if o[0] < best_o[0] and should_apply(now[0], o[0], self._readmit_horizon_s(), o[1]):
+                    best, best_o = c, o
+        self._picked(plan, observed, best_o[2])
+        return Decision(best, best_o[1])
 
 
 class SteptunePolicy(ResiHPPolicy):
@@ -720,8 +741,11 @@ class SteptunePolicy(ResiHPPolicy):
         super().reset()
         self._adapted = False
         self._moves = None
-        self._mechanism: dict[tuple[ExecutionPlan, tuple[float, ...]], dict[tuple[int, int], int] | None] = {}
+        self._pick: dict[tuple[ExecutionPlan, tuple[float, ...]], object] = {}
         self._rerouted: dict[tuple[object, ...], float] = {}
+        self._best: dict[
+            tuple[ExecutionPlan, tuple[float, ...]], tuple[float, dict[tuple[int, int], int]]
+        ] = {}
 
     def on_step(
         self,
@@ -734,28 +758,75 @@ class SteptunePolicy(ResiHPPolicy):
     ) -> Decision:
         decision = super().on_step(t, step, observed, plan, state, ctx)
         self._adapted = runs_slow(decision.plan, state)  # reschedule as Adaptra does
-        # Reroute part of the slow or dead workers' microbatches to DP peers (``reroute``) when that
-        # beats the plain (or rescheduled) step under the detected speeds; the moves stay fixed until
-        # the next decision.
-        key = (decision.plan, observed)
-        if not self.reroute:
-            self._mechanism[key] = None
-        elif key not in self._mechanism:
-            t_moves, moves = self._reroute(decision.plan, observed, ctx)
-            self._mechanism[key] = moves if moves and t_moves < ctx.rescheduled_step_time(*key) else None
-        self._moves = self._mechanism[key]
+        # Part of the slow or dead workers' microbatches rerouted to DP peers (``reroute``), or none:
+        # the decision picked the moves with the plan (``_options``); they stay until the next one.
+        moves = self._pick.get((plan, observed), self._moves)
+        if decision.plan == plan:
+            # Same plan, new moves: a new version, so the sim stalls (``pp_s``) once.
+            decision = (
+                Decision(replace(plan, version=plan.version + 1), decision.stall_s)
+                if moves != self._moves
+                else Decision(plan)
+            )
+        self._moves = moves  # type: ignore[assignment]
         return decision
+
+    def _readmit_horizon_s(self) -> float:
+        # Health lasts until the next fault: at Llama 3's rate (419 interruptions in 54 days on 16K
+        # GPUs) about 8 days on 256 GPUs, unbounded next to a stall of seconds.
+        return math.inf
+
+    def _picked(self, plan: ExecutionPlan, observed: tuple[float, ...], mechanism: object) -> None:
+        self._pick[(plan, observed)] = mechanism
+
+    def _options(
+        self, plan: ExecutionPlan, new: ExecutionPlan, observed: tuple[float, ...], ctx: SimContext
+    ) -> list[Option]:
+        """``new`` run without rerouting (rescheduled as Adaptra does), with its best moves, and (for the
+        plan in place) with the current moves. Changing the moves is a new schedule and P2P set-up at a
+        safe point: it stalls ``pp_s``, as ReCycle's rerouting does (a replan's own stall covers it)."""
+        base = reconfig_cost(plan, new, ctx.job.reconfig)
+        mechanisms: list[dict[tuple[int, int], int] | None] = [None]
+        if self.reroute:
+            moves = self._reroute(new, observed, ctx)[1]
+            if moves:
+                mechanisms.append(moves)
+        if new == plan and self._moves and self._moves not in mechanisms:
+            mechanisms.append(self._moves)
+        return [
+            (
+                self._mechanism_time(new, observed, ctx, m),
+                base if m == self._moves else max(base, ctx.job.reconfig.pp_s),
+                m,
+            )
+            for m in mechanisms
+        ]
+
+    def _mechanism_time(
+        self,
+        plan: ExecutionPlan,
+        speeds: tuple[float, ...],
+        ctx: SimContext,
+        moves: dict[tuple[int, int], int] | None,
+    ) -> float:
+        if not moves:
+            return ctx.rescheduled_step_time(plan, speeds)
+        key = (plan, speeds, tuple(sorted(moves.items())))
+        if key not in self._rerouted:
+            from steptune.resilience.reroute import rerouted_step_time
+
+            self._rerouted[key] = rerouted_step_time(plan, speeds, ctx, moves)
+        return self._rerouted[key]
 
     def _reroute(
         self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext
     ) -> tuple[float, dict[tuple[int, int], int]]:
         from steptune.resilience.reroute import best_moves  # reroute prices with this module's model
 
-        return best_moves(plan, speeds, ctx)
-
-    def _price(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
-        t = ctx.rescheduled_step_time(plan, speeds)
-        return min(t, self._reroute(plan, speeds, ctx)[0]) if self.reroute else t
+        key = (plan, speeds)
+        if key not in self._best:
+            self._best[key] = best_moves(plan, speeds, ctx)
+        return self._best[key]
 
     def _more_candidates(
         self,
@@ -770,7 +841,7 @@ class SteptunePolicy(ResiHPPolicy):
         # planner's per-device speed, which misjudges slow links.
         more = [c for c in (uniform_repartition(state, plan),) if c is not None]
         # The plan as it is with uneven shares around the fault: cheapest to switch to, and with part
-        # of the hit workers' microbatches rerouted (``_price``) often the fastest.
+        # of the hit workers' microbatches rerouted (``_options``) often the fastest.
         more.append(shares_only(state, plan))
         # ResiHP's replans again with a layer partition per replica (Oobleck-style heterogeneous
         # pipelines: the healthy replicas keep their split while the hit one rebalances). The live
@@ -791,12 +862,7 @@ class SteptunePolicy(ResiHPPolicy):
 
     def step_time(self, plan: ExecutionPlan, speeds: tuple[float, ...], ctx: SimContext) -> float:
         if self._moves:
-            from steptune.resilience.reroute import rerouted_step_time
-
-            key = (plan, speeds, tuple(sorted(self._moves.items())))
-            if key not in self._rerouted:
-                self._rerouted[key] = rerouted_step_time(plan, speeds, ctx, self._moves)
-            return self._rerouted[key]
+            return self._mechanism_time(plan, speeds, ctx, self._moves)
         if self._adapted:
             return ctx.rescheduled_step_time(plan, speeds)
         return ctx.step_time(plan, speeds)

@@ -95,3 +95,21 @@ def test_steptune_reroutes_past_recycle_on_the_row_it_lost():
         )
     }
     assert rates["ablation"] < rates["recycle"] < rates["steptune"] <= rates["oracle"] * (1 + 1e-9), rates
+
+
+@pytest.mark.timeout(120)
+def test_changing_the_moves_stalls_like_recycle_and_is_weighed_against_a_replan():
+    """New moves are a new schedule and P2P set-up at a safe point: ``pp_s`` each time, as ReCycle pays
+    per failure. On a 25-minute fail-slow of one device, rerouting (a 5 s stall) gains less than a
+    replan that stalls 1 s, so steptune replans, and does no worse than its ablation."""
+    job = job_for("qwen2.5-14b")
+    fails = tuple(
+        FailureEvent(kind="fail-stop", device=d, start_s=s)
+        for d, s in zip(DEAD, (1931.5, 2486.7), strict=True)
+    )
+    res = run(job, SteptunePolicy(), fails, 4000.0)
+    assert len(res.log) == 2 and res.stall_s >= 2 * job.reconfig.pp_s, res.log
+    slow = (FailureEvent(kind="fail-slow", device=8, start_s=600.0, duration_s=1500.0, factor=0.5),)
+    with_moves = run(job, SteptunePolicy(), slow, 4000.0)
+    ablation = run(job, SteptunePolicy(reroute=False), slow, 4000.0)
+    assert with_moves.tokens_per_s >= ablation.tokens_per_s, (with_moves.log, ablation.log)
