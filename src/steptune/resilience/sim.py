@@ -730,6 +730,7 @@ class SteptunePolicy(ResiHPPolicy):
     tp_shares = True
     _adapted = False
     _moves: dict[tuple[int, int], int] | None = None
+    _state: ClusterState
 
     def __init__(self, *, reroute: bool = True, **kwargs: float | bool) -> None:
         self.reroute = reroute
@@ -756,6 +757,7 @@ class SteptunePolicy(ResiHPPolicy):
         state: ClusterState,
         ctx: SimContext,
     ) -> Decision:
+        self._state = state  # what ``_options`` prices a plan without rerouting by
         decision = super().on_step(t, step, observed, plan, state, ctx)
         self._adapted = runs_slow(decision.plan, state)  # reschedule as Adaptra does
         # Part of the slow or dead workers' microbatches rerouted to DP peers (``reroute``), or none:
@@ -784,8 +786,12 @@ class SteptunePolicy(ResiHPPolicy):
     ) -> list[Option]:
         """``new`` run without rerouting (rescheduled as Adaptra does), with its best moves, and (for the
         plan in place) with the current moves. Changing the moves is a new schedule and P2P set-up at a
-        safe point: it stalls ``pp_s``, as ReCycle's rerouting does (a replan's own stall covers it)."""
+        safe point: it stalls ``pp_s`` as ReCycle's rerouting does, on top of a TP change (a repartition's
+        own ``pp_s`` covers it). Without rerouting a plan is priced as ``step_time`` will charge it."""
         base = reconfig_cost(plan, new, ctx.job.reconfig)
+        # New moves on the same layer partition pay ``pp_s`` on top of any TP change; a repartition's
+        # own ``pp_s`` already covers the new schedule.
+        rerouting = base if new.layer_partition != plan.layer_partition else base + ctx.job.reconfig.pp_s
         mechanisms: list[dict[tuple[int, int], int] | None] = [None]
         if self.reroute:
             moves = self._reroute(new, observed, ctx)[1]
@@ -796,7 +802,7 @@ class SteptunePolicy(ResiHPPolicy):
         return [
             (
                 self._mechanism_time(new, observed, ctx, m),
-                base if m == self._moves else max(base, ctx.job.reconfig.pp_s),
+                base if m == self._moves else rerouting,
                 m,
             )
             for m in mechanisms
@@ -809,8 +815,9 @@ class SteptunePolicy(ResiHPPolicy):
         ctx: SimContext,
         moves: dict[tuple[int, int], int] | None,
     ) -> float:
-        if not moves:
-            return ctx.rescheduled_step_time(plan, speeds)
+        if not moves:  # as ``step_time`` will charge it
+            slow = runs_slow(plan, self._state)
+            return (ctx.rescheduled_step_time if slow else ctx.step_time)(plan, speeds)
         key = (plan, speeds, tuple(sorted(moves.items())))
         if key not in self._rerouted:
             from steptune.resilience.reroute import rerouted_step_time
