@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from steptune.memory.frame import Frame, ReplayStats, pack_hook, unpack_hook
 from steptune.memory.record import Recorder, _external_key
-from steptune.memory.reuse import TemplateCache, run_reused, signature, template_from
+from steptune.memory.reuse import TemplateCache, run_reused, signature, template_from, unkeyable_argument
 from steptune.memory.tape import ExternalRef, OpNode, Tape
 
 __all__ = ["SavePlan", "TapeSAC", "TapeSACConfig", "apply_tapesac_", "find_blocks"]
@@ -97,6 +98,7 @@ class TapeSAC:
     """Called after each recorded forward (the profiler uses it)."""
     keep_outputs: bool = False
     """Recorders keep every tensor they see (the profiler; memory-hungry)."""
+    warned_unkeyable: bool = False
 
     def remove(self) -> None:
         for _, block in self.blocks:
@@ -154,6 +156,9 @@ def _run_block(
     plan = state.config.plan
     wants_key = state.config.reuse_tapes or plan is not None or state.on_record is not None
     key = signature(block, args, kwargs) if wants_key else None
+    if key is None and state.config.reuse_tapes and not state.warned_unkeyable:
+        state.warned_unkeyable = True
+        warnings.warn(_unkeyable_message(name, unkeyable_argument(args, kwargs)), stacklevel=3)
     keep = (plan.saves.get(name) or plan.saves.get(key, frozenset())) if plan is not None else frozenset()
     if key is not None and state.config.reuse_tapes:
         template = state.templates.get((key, keep))
@@ -188,6 +193,20 @@ def _run_block(
         assert frame.plan is not None
         state.templates.put((key, keep), template_from(tape, frame.plan, keep))
     return out
+
+
+def _unkeyable_message(name: str, arg_type: str | None) -> str:
+    hint = (
+        " An HF model passes its KV cache to every layer while config.use_cache is True; set "
+        "model.config.use_cache = False for training (HF's own gradient checkpointing does the same)."
+        if arg_type is not None and "Cache" in arg_type
+        else ""
+    )
+    return (
+        f"TapeSAC block {name!r} is called with a {arg_type} argument, which may steer its forward, so "
+        "its tape cannot be reused: every forward is recorded under the dispatch mode (slower, results "
+        f"unchanged).{hint}"
+    )
 
 
 def _external_map(

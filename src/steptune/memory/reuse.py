@@ -25,7 +25,7 @@ from steptune.memory.frame import Frame, pack_hook, unpack_hook
 from steptune.memory.replay import ReplayPlan
 from steptune.memory.tape import Tape, TapeSACError
 
-__all__ = ["Template", "TemplateCache", "run_reused", "signature", "template_from"]
+__all__ = ["Template", "TemplateCache", "run_reused", "signature", "template_from", "unkeyable_argument"]
 
 _PRIMITIVES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -96,6 +96,14 @@ def signature(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     )
     autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
     return (type(block), str(spec), tuple(leaves), params, block.training, autocast)
+
+
+def unkeyable_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The type name of the first argument that keeps :func:`signature` from keying a call."""
+    for a in tree_flatten((args, kwargs))[0]:
+        if not isinstance(a, (torch.Tensor, *_PRIMITIVES)):
+            return type(a).__qualname__
+    return None
 
 
 def template_from(tape: Tape, plan: ReplayPlan, keep: frozenset[int] = frozenset()) -> Template | None:

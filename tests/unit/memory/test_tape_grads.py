@@ -120,3 +120,20 @@ def test_a_save_set_cuts_the_replay_and_keeps_gradients_exact():
     assert max_abs_diff(reference, got) == 0.0
     assert saving.stats.replayed_flops == 0  # every matmul output is held, so no matmul is replayed
     assert 0 < saving.stats.replayed_ops < replay_only.stats.replayed_ops
+
+
+def test_an_hf_kv_cache_argument_warns_once_and_records_every_call():
+    # use_cache=True makes HF pass a DynamicCache to every layer: the call cannot be keyed, so the
+    # tape is recorded every time; the user is told why and what to set.
+    model = build_model("qwen3-tiny")
+    model.config.use_cache = True
+    batch = make_batch("qwen3-tiny")
+    reference = grads(model, batch, "no_ac")
+    handle = apply_tapesac_(model)
+    with pytest.warns(UserWarning, match="use_cache = False") as record:
+        got = grads(model, batch, "no_ac")
+        grads(model, batch, "no_ac")
+    handle.remove()
+    assert len([w for w in record if "TapeSAC" in str(w.message)]) == 1
+    assert handle.stats.recorded == handle.stats.forwards == 2 * model.config.num_hidden_layers
+    assert max_abs_diff(reference, got) == 0.0
