@@ -121,14 +121,40 @@ def apply_tapesac_(
     if templates is not None:
         state.templates = templates
     save_fn = _save_fn(config)
+    compiled = _compiled_around(model, state.blocks)
+    if compiled is not None:
+        warnings.warn(
+            f"TapeSAC: {compiled} is compiled with torch.compile. TapeSAC records eager blocks at the "
+            "dispatcher, so each block runs eagerly inside the compiled region (one graph break per "
+            "block): gradients are exact, but the blocks lose the compile's speed-up. Apply TapeSAC to "
+            "an uncompiled model, or for a compiled one use torch.compile's own activation memory "
+            "budget (torch._functorch.config.activation_memory_budget)",
+            stacklevel=2,
+        )
     for name, block in state.blocks:
         if "forward" in block.__dict__:
             raise ValueError(f"block {name!r} already has an instance-level forward (another wrapper?)")
-        wrapper = functools.partial(_run_block, state, name, block, block.forward, save_fn)
+        # Dynamo cannot trace the recorder (a dispatch mode, saved-tensor hooks, storage keys); without
+        # this it would break its graph many times inside each block instead of once around it.
+        wrapper = torch.compiler.disable(
+            functools.partial(_run_block, state, name, block, block.forward, save_fn)
+        )
         wrapper._tapesac = state  # type: ignore[attr-defined]
         block.forward = wrapper  # type: ignore[method-assign]
     model._tapesac = state  # type: ignore[assignment]
     return state
+
+
+def _compiled_around(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> str | None:
+    """A description of the first torch.compile'd module that is a block or contains one."""
+    for name, module in model.named_modules():
+        compiled = getattr(module, "_compiled_call_impl", None) is not None
+        if not compiled and type(module).__name__ != "OptimizedModule":
+            continue
+        prefix = name.removesuffix("._orig_mod").removesuffix("_orig_mod")
+        if any(not prefix or b == prefix or b.startswith(prefix + ".") for b, _ in blocks):
+            return f"module {name!r}" if name else "the model"
+    return None
 
 
 def _save_fn(config: TapeSACConfig) -> Callable[[OpNode], bool] | None:
