@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from steptune.memory.frame import Frame, ReplayStats, pack_hook, unpack_hook
 from steptune.memory.record import Recorder, _external_key
 from steptune.memory.reuse import TemplateCache, run_reused, signature, template_from, unkeyable_argument
-from steptune.memory.tape import ExternalRef, OpNode, Tape
+from steptune.memory.tape import ExternalRef, OpNode, Tape, TapeSACError
 
 __all__ = ["SavePlan", "TapeSAC", "TapeSACConfig", "apply_tapesac_", "find_blocks"]
 
@@ -121,6 +121,14 @@ def apply_tapesac_(
     if templates is not None:
         state.templates = templates
     save_fn = _save_fn(config)
+    nested = _checkpointed_around(model, state.blocks)
+    if nested is not None:
+        raise ValueError(
+            f"{nested} already checkpoints activations: torch's checkpoint would take over and "
+            "TapeSAC would replay nothing. TapeSAC replaces it: turn it off (HF: "
+            f"model.{_HF_DISABLE}) or build the model without torch's checkpoint_wrapper, then "
+            "apply_tapesac_"
+        )
     compiled = _compiled_around(model, state.blocks)
     if compiled is not None:
         warnings.warn(
@@ -143,6 +151,22 @@ def apply_tapesac_(
         block.forward = wrapper  # type: ignore[method-assign]
     model._tapesac = state  # type: ignore[assignment]
     return state
+
+
+_HF_DISABLE = "activation_checkpointing_disable() (gradient_checkpointing_disable() before transformers 5)"
+
+
+def _checkpointed_around(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> str | None:
+    """A description of the first module that checkpoints a block: HF gradient checkpointing on a
+    block or around one, or torch's ``checkpoint_wrapper``."""
+    for name, module in model.named_modules():
+        hf = getattr(module, "gradient_checkpointing", False) is True
+        if not hf and type(module).__name__ != "CheckpointWrapper":
+            continue
+        if any(not name or b == name or b.startswith(name + ".") for b, _ in blocks):
+            what = "HF gradient checkpointing on" if hf else "torch's checkpoint_wrapper"
+            return f"{what} {('module ' + repr(name)) if name else 'the model'}"
+    return None
 
 
 def _compiled_around(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> str | None:
@@ -177,6 +201,11 @@ def _run_block(
 ) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if getattr(block, "gradient_checkpointing", False) is True and block.training:
+        raise TapeSACError(
+            f"HF gradient checkpointing was enabled on TapeSAC block {name!r} after apply_tapesac_; "
+            f"torch's checkpoint would take over from TapeSAC. Call model.{_HF_DISABLE}"
+        )
     stats = state.stats
     stats.forwards += 1
     plan = state.config.plan

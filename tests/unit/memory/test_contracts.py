@@ -121,3 +121,24 @@ def test_nothing_from_a_step_outlives_it():
         assert inputs() is None  # neither the template nor a frame holds a block input
     assert len(handle.templates) == 1
     handle.remove()
+
+
+def test_checkpointing_already_on_a_block_is_refused_with_what_to_call():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from steptune.memory.models import build_model, make_batch
+
+    model = build_model("qwen3-tiny")
+    model.activation_checkpointing_enable({"use_reentrant": False})  # transformers 5's name
+    with pytest.raises(ValueError, match=r"activation_checkpointing_disable\(\)"):
+        apply_tapesac_(model)
+    model.activation_checkpointing_disable()
+    handle = apply_tapesac_(model)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    with pytest.raises(TapeSACError, match="after apply_tapesac_"):  # enabled later: refused at the call
+        model(**make_batch("qwen3-tiny")).loss.backward()
+    handle.remove()
+    model.activation_checkpointing_disable()
+    model.model.layers[0] = checkpoint_wrapper(model.model.layers[0])  # torchtitan's wrapper
+    with pytest.raises(ValueError, match="checkpoint_wrapper"):
+        apply_tapesac_(model, TapeSACConfig(blocks="Qwen3DecoderLayer"))
