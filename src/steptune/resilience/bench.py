@@ -29,17 +29,11 @@ from steptune.resilience.baselines import (
     oracle,
 )
 from steptune.resilience.evaluate import JobSpec, detector_scores
+from steptune.resilience.policies import CheckpointRestart, NoOp, ResiHPPolicy
 from steptune.resilience.scenarios import KINDS, Rates, generate
-from steptune.resilience.sim import (
-    CheckpointRestart,
-    NoOp,
-    Policy,
-    ResiHPPolicy,
-    SimJob,
-    SteptunePolicy,
-    run,
-)
+from steptune.resilience.sim import Policy, SimJob, run
 from steptune.resilience.simload import BatchWorkload
+from steptune.resilience.steptune_policy import SteptunePolicy
 from steptune.resilience.workload import LengthDist
 
 __all__ = [

@@ -33,13 +33,12 @@ from steptune.pipeline.costs import StageCosts
 from steptune.pipeline.simulate import makespan
 from steptune.resilience.live import allreduce_seconds, global_batch, stage_model
 from steptune.resilience.plan import ExecutionPlan, ReconfigCosts, plan_dp
+from steptune.resilience.policies import NoOp, ResiHPPolicy
 from steptune.resilience.runtime import RuntimeConfig, lpt_assign
 from steptune.resilience.sim import (
     Decision,
     FailureEvent,
-    NoOp,
     Policy,
-    ResiHPPolicy,
     SimContext,
     SimJob,
     SimResult,

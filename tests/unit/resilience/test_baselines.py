@@ -18,17 +18,9 @@ from steptune.resilience.baselines import (
     oracle,
 )
 from steptune.resilience.plan import ClusterState, initial_plan
-from steptune.resilience.sim import (
-    FailureEvent,
-    NoOp,
-    ResiHPPolicy,
-    SimJob,
-    SimResult,
-    SteptunePolicy,
-    pipeline_time,
-    rescheduled_time,
-    run,
-)
+from steptune.resilience.policies import NoOp, ResiHPPolicy
+from steptune.resilience.sim import FailureEvent, SimJob, SimResult, pipeline_time, rescheduled_time, run
+from steptune.resilience.steptune_policy import SteptunePolicy
 
 JOB = SimJob(model="llama2-7b", tp=2, pp=4, dp=4, global_microbatches=32, tokens_per_microbatch=4096)
 DUR = 3600.0

@@ -9,8 +9,10 @@ import pytest
 
 from steptune.resilience.livesim import LiveWorkload, plot_live, predict_live, sim_job_for
 from steptune.resilience.plan import ClusterState, initial_plan
+from steptune.resilience.policies import NoOp
 from steptune.resilience.runtime import lpt_assign
-from steptune.resilience.sim import FailureEvent, NoOp, SteptunePolicy, run
+from steptune.resilience.sim import FailureEvent, run
+from steptune.resilience.steptune_policy import SteptunePolicy
 
 RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 

@@ -9,7 +9,8 @@ from steptune.resilience.baselines import ReCycle, oracle, recycle_step_time
 from steptune.resilience.bench import job_for
 from steptune.resilience.plan import shares_only
 from steptune.resilience.reroute import best_moves, dead_moves, rerouted_step_time
-from steptune.resilience.sim import Decision, FailureEvent, SteptunePolicy, run
+from steptune.resilience.sim import Decision, FailureEvent, run
+from steptune.resilience.steptune_policy import SteptunePolicy
 
 DEAD = (63, 80)
 """Two fail-stops of the bench's qwen2.5-14b fail-stop/seed1 row: replica 0 stage 15, replica 1 stage 4."""

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from steptune.resilience.oracle import Oracle
 from steptune.resilience.plan import (
     ClusterState,
     ExecutionPlan,
@@ -15,15 +16,9 @@ from steptune.resilience.plan import (
     shares_speed,
     water_fill,
 )
-from steptune.resilience.sim import (
-    FailureEvent,
-    Oracle,
-    ResiHPPolicy,
-    SimJob,
-    SteptunePolicy,
-    reconfig_cost,
-    run,
-)
+from steptune.resilience.policies import ResiHPPolicy
+from steptune.resilience.sim import FailureEvent, SimJob, reconfig_cost, run
+from steptune.resilience.steptune_policy import SteptunePolicy
 
 
 def test_water_fill_splits_by_speed_and_skips_the_dead():
@@ -129,7 +124,7 @@ def test_steptune_gives_the_hit_replica_its_own_partition_after_a_fail_stop():
     still bounds it. Rerouting is off in both (with it, both keep the partition and reroute instead:
     ``test_reroute.py``)."""
     from steptune.resilience.bench import job_for
-    from steptune.resilience.sim import Oracle
+    from steptune.resilience.oracle import Oracle
 
     class SharedOnly(SteptunePolicy):
         name = "steptune-shared"

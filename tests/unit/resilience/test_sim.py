@@ -12,19 +12,11 @@ from steptune.pipeline.anchors import one_f_one_b
 from steptune.pipeline.costs import StageCosts
 from steptune.pipeline.schedule import ActionKind
 from steptune.pipeline.simulate import simulate
+from steptune.resilience.oracle import Oracle
 from steptune.resilience.plan import ClusterState, ReconfigCosts, initial_plan
-from steptune.resilience.sim import (
-    CheckpointRestart,
-    FailureEvent,
-    NoOp,
-    Oracle,
-    ResiHPPolicy,
-    SimJob,
-    SimResult,
-    SteptunePolicy,
-    reconfig_cost,
-    run,
-)
+from steptune.resilience.policies import CheckpointRestart, NoOp, ResiHPPolicy
+from steptune.resilience.sim import FailureEvent, SimJob, SimResult, reconfig_cost, run
+from steptune.resilience.steptune_policy import SteptunePolicy
 
 JOB = SimJob(model="llama2-7b", tp=2, pp=4, dp=4, global_microbatches=32, tokens_per_microbatch=4096)
 HOURS2 = 7200.0

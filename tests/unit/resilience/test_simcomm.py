@@ -13,17 +13,10 @@ from steptune.pipeline.schedule import ActionKind
 from steptune.pipeline.simulate import simulate
 from steptune.resilience.baselines import Adaptra, Greyhound, ReCycle, Strengthened, oracle
 from steptune.resilience.plan import ClusterState, initial_plan
-from steptune.resilience.sim import (
-    FailureEvent,
-    NoOp,
-    ResiHPPolicy,
-    SimJob,
-    SimResult,
-    SteptunePolicy,
-    layer_phase_times,
-    run,
-)
+from steptune.resilience.policies import NoOp, ResiHPPolicy
+from steptune.resilience.sim import FailureEvent, SimJob, SimResult, layer_phase_times, run
 from steptune.resilience.simcomm import CommModel, comm_model, effective_speeds
+from steptune.resilience.steptune_policy import SteptunePolicy
 
 NV = LinkSpec(name="nv", bandwidth=100.0, latency=0.5)
 IB = LinkSpec(name="ib", bandwidth=10.0, latency=2.0)

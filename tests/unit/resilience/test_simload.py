@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from steptune.resilience import sim
+from steptune.resilience.oracle import Oracle
+from steptune.resilience.policies import NoOp, ResiHPPolicy
 from steptune.resilience.simload import BatchWorkload, replica_work, workload_factor
 
 
@@ -82,7 +84,7 @@ def test_equal_microbatches_reproduce_the_plain_simulation() -> None:
     fails = (sim.FailureEvent(kind="fail-slow", device=5, start_s=300.0, duration_s=900.0, factor=0.5),)
     flat = BatchWorkload.for_job("llama2-7b", token_budget=16384, microbatches=32, lengths="uniform")
     assert np.allclose(flat.costs(0), 1.0)
-    for policy in (sim.NoOp(), sim.ResiHPPolicy()):
+    for policy in (NoOp(), ResiHPPolicy()):
         plain = sim.run(job, policy, fails, 3600.0)
         varied = sim.run(job, policy, fails, 3600.0, workload=flat)
         assert varied.steps == plain.steps
@@ -91,10 +93,10 @@ def test_equal_microbatches_reproduce_the_plain_simulation() -> None:
 
 def test_cost_aware_assignment_beats_the_count_deal_on_a_healthy_job(code: BatchWorkload) -> None:
     job = _job()
-    noop = sim.run(job, sim.NoOp(), (), 3600.0, workload=code)
-    resihp = sim.run(job, sim.ResiHPPolicy(), (), 3600.0, workload=code)
-    oracle = sim.run(job, sim.Oracle(), (), 3600.0, workload=code)
-    plain = sim.run(job, sim.NoOp(), (), 3600.0)
+    noop = sim.run(job, NoOp(), (), 3600.0, workload=code)
+    resihp = sim.run(job, ResiHPPolicy(), (), 3600.0, workload=code)
+    oracle = sim.run(job, Oracle(), (), 3600.0, workload=code)
+    plain = sim.run(job, NoOp(), (), 3600.0)
     assert noop.tokens < plain.tokens  # the busiest replica paces each step
     assert resihp.tokens_per_s > 1.01 * noop.tokens_per_s
     assert oracle.tokens >= resihp.tokens
@@ -102,7 +104,7 @@ def test_cost_aware_assignment_beats_the_count_deal_on_a_healthy_job(code: Batch
 
 def test_step_time_of_and_workload_are_exclusive(code: BatchWorkload) -> None:
     with pytest.raises(ValueError, match="not both"):
-        sim.run(_job(), sim.NoOp(), (), 60.0, step_time_of=lambda s, p, v: 1.0, workload=code)
+        sim.run(_job(), NoOp(), (), 60.0, step_time_of=lambda s, p, v: 1.0, workload=code)
 
 
 def test_simulate_cli_draws_lengths_only_when_asked(tmp_path) -> None:

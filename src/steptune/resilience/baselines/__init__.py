@@ -36,7 +36,7 @@ from steptune.resilience.baselines.failslow import (
     adaptra_step_time,
 )
 from steptune.resilience.baselines.failstop import Oobleck, ReCycle, oobleck_reinstantiate, recycle_step_time
-from steptune.resilience.sim import Oracle
+from steptune.resilience.oracle import Oracle
 
 __all__ = [
     "Adaptra",

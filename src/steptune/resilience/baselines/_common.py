@@ -8,9 +8,7 @@ from collections.abc import Callable
 from steptune.resilience.plan import (
     ExecutionPlan,
 )
-from steptune.resilience.sim import (
-    SimContext,
-)
+from steptune.resilience.sim import SimContext
 
 _INF = math.inf
 Price = Callable[[ExecutionPlan], float]

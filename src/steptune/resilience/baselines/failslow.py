@@ -13,16 +13,14 @@ from steptune.resilience.plan import (
     progressive_replan,
     uniform_repartition,
 )
+from steptune.resilience.policies import CheckpointRestart, Memoized, restart_plan
 from steptune.resilience.sim import (
-    CheckpointRestart,
     Decision,
-    Memoized,
     SimContext,
     dp_sync_s,
     improve_counts,
     reconfig_cost,
     rescheduled_time,
-    restart_plan,
     runs_slow,
 )
 

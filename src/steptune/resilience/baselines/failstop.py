@@ -13,15 +13,8 @@ from steptune.resilience.plan import (
     plan_pp,
     rebalanced,
 )
-from steptune.resilience.sim import (
-    Decision,
-    Memoized,
-    SimContext,
-    dp_sync_s,
-    pipeline_time,
-    reconfig_cost,
-    restart_plan,
-)
+from steptune.resilience.policies import Memoized, restart_plan
+from steptune.resilience.sim import Decision, SimContext, dp_sync_s, pipeline_time, reconfig_cost
 
 __all__ = ["Oobleck", "ReCycle", "oobleck_reinstantiate", "recycle_step_time"]
 
