@@ -121,7 +121,7 @@ def apply_tapesac_(
     if templates is not None:
         state.templates = templates
     save_fn = _save_fn(config)
-    nested = _checkpointed_around(model, state.blocks)
+    nested = _wrapping(model, state.blocks, _checkpoints)
     if nested is not None:
         raise ValueError(
             f"{nested} already checkpoints activations: torch's checkpoint would take over and "
@@ -129,10 +129,10 @@ def apply_tapesac_(
             f"model.{_HF_DISABLE}) or build the model without torch's checkpoint_wrapper, then "
             "apply_tapesac_"
         )
-    compiled = _compiled_around(model, state.blocks)
+    compiled = _wrapping(model, state.blocks, _compiles)
     if compiled is not None:
         warnings.warn(
-            f"TapeSAC: {compiled} is compiled with torch.compile. TapeSAC records eager blocks at the "
+            f"TapeSAC: {compiled}. TapeSAC records eager blocks at the "
             "dispatcher, so each block runs eagerly inside the compiled region (one graph break per "
             "block): gradients are exact, but the blocks lose the compile's speed-up. Apply TapeSAC to "
             "an uncompiled model, or for a compiled one use torch.compile's own activation memory "
@@ -156,29 +156,27 @@ def apply_tapesac_(
 _HF_DISABLE = "activation_checkpointing_disable() (gradient_checkpointing_disable() before transformers 5)"
 
 
-def _checkpointed_around(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> str | None:
-    """A description of the first module that checkpoints a block: HF gradient checkpointing on a
-    block or around one, or torch's ``checkpoint_wrapper``."""
+def _wrapping(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], wraps: Callable[[nn.Module], str | None]
+) -> str | None:
+    """``wraps``'s description of the first module that is a block or contains one and for which
+    ``wraps`` returns a description (a module around a block sees the block's calls too)."""
     for name, module in model.named_modules():
-        hf = getattr(module, "gradient_checkpointing", False) is True
-        if not hf and type(module).__name__ != "CheckpointWrapper":
-            continue
-        if any(not name or b == name or b.startswith(name + ".") for b, _ in blocks):
-            what = "HF gradient checkpointing on" if hf else "torch's checkpoint_wrapper"
+        what = wraps(module)
+        if what is not None and any(not name or b == name or b.startswith(name + ".") for b, _ in blocks):
             return f"{what} {('module ' + repr(name)) if name else 'the model'}"
     return None
 
 
-def _compiled_around(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> str | None:
-    """A description of the first torch.compile'd module that is a block or contains one."""
-    for name, module in model.named_modules():
-        compiled = getattr(module, "_compiled_call_impl", None) is not None
-        if not compiled and type(module).__name__ != "OptimizedModule":
-            continue
-        prefix = name.removesuffix("._orig_mod").removesuffix("_orig_mod")
-        if any(not prefix or b == prefix or b.startswith(prefix + ".") for b, _ in blocks):
-            return f"module {name!r}" if name else "the model"
-    return None
+def _checkpoints(module: nn.Module) -> str | None:
+    if getattr(module, "gradient_checkpointing", False) is True:
+        return "HF gradient checkpointing on"
+    return "torch's checkpoint_wrapper" if type(module).__name__ == "CheckpointWrapper" else None
+
+
+def _compiles(module: nn.Module) -> str | None:
+    compiled = getattr(module, "_compiled_call_impl", None) is not None
+    return "torch.compile on" if compiled or type(module).__name__ == "OptimizedModule" else None
 
 
 def _save_fn(config: TapeSACConfig) -> Callable[[OpNode], bool] | None:

@@ -10,6 +10,7 @@ losses and each policy's MemTracker peak of one step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -48,35 +49,27 @@ def _batch(step: int, rank: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def _train(policy: str, rank: int, steps: int) -> dict[str, Any]:
+def _train(policy: str, before_shard: bool, rank: int, steps: int) -> dict[str, Any]:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import fully_shard
 
-    from steptune.memory import TapeSACConfig, apply_tapesac_
     from steptune.memory.measure import apply_policy
 
     model = _model()
-    handle = apply_tapesac_(model, TapeSACConfig()) if policy == "tapesac_before_shard" else None
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, peak = [], 0
-    aliases = {"tapesac_before_shard": "no_ac", "tapesac_after_shard": "tapesac_replay"}
-    ctx_policy = aliases.get(policy, policy)
-    with apply_policy(model, ctx_policy) as applied:
-        handle = handle or applied
+    with contextlib.ExitStack() as stack:
+        handle = stack.enter_context(apply_policy(model, policy)) if before_shard else None
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        if not before_shard:
+            handle = stack.enter_context(apply_policy(model, policy))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, tracker = [], MemTracker()
+        tracker.track_external(model, opt)
         for step in range(steps):
-            batch = _batch(step, rank)
-            if step == steps - 1:  # the last step is measured: tapes reused, grads allocated
-                tracker = MemTracker()
-                tracker.track_external(model, opt)
-                with tracker:
-                    loss = model(**batch).loss
-                    loss.backward()
-                peak = max(int(d["Total"]) for d in tracker.get_tracker_snapshot("peak").values())
-            else:
-                loss = model(**batch).loss
+            # the last step is measured: tapes reused, gradients allocated
+            with tracker if step == steps - 1 else contextlib.nullcontext():
+                loss = model(**_batch(step, rank)).loss
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=False)
@@ -85,7 +78,7 @@ def _train(policy: str, rank: int, steps: int) -> dict[str, Any]:
     return {
         "losses": losses,
         "shards": [p.to_local().detach().clone() for p in model.parameters()],
-        "peak": peak,
+        "peak": max(int(d["Total"]) for d in tracker.get_tracker_snapshot("peak").values()),
         "recorded": stats.recorded if stats else 0,
         "forwards": stats.forwards if stats else 0,
         "replays": stats.replays if stats else 0,
@@ -94,8 +87,12 @@ def _train(policy: str, rank: int, steps: int) -> dict[str, Any]:
 
 def fsdp_rank(rank: int, group: Any, steps: int = 3) -> dict[str, Any]:
     del group  # fully_shard uses the default group the pool registered
-    policies = ("no_ac", "tapesac_after_shard", "tapesac_before_shard", "full_ac_no_early_stop")
-    runs = {policy: _train(policy, rank, steps) for policy in policies}
+    runs = {
+        "no_ac": _train("no_ac", False, rank, steps),
+        "tapesac_after_shard": _train("tapesac_replay", False, rank, steps),
+        "tapesac_before_shard": _train("tapesac_replay", True, rank, steps),
+        "full_ac_no_early_stop": _train("full_ac_no_early_stop", False, rank, steps),
+    }
     ref = runs["no_ac"]["shards"]
     out: dict[str, Any] = {}
     for policy, r in runs.items():
