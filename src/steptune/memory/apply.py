@@ -99,6 +99,7 @@ class TapeSAC:
     keep_outputs: bool = False
     """Recorders keep every tensor they see (the profiler; memory-hungry)."""
     warned_unkeyable: bool = False
+    warned_inner: bool = False
 
     def remove(self) -> None:
         for _, block in self.blocks:
@@ -226,8 +227,12 @@ def _run_block(
         value = recorder.on_pack(t)
         return pack_hook(frame, value, t, keep=len(recorder.packs) - 1 in keep)
 
+    recorder.pack_fn = pack
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook), recorder.opaque_functions(), recorder:
         out = forward(*args, **kwargs)
+    if recorder.inner_checkpoint is not None and not state.warned_inner:
+        state.warned_inner = True
+        warnings.warn(_inner_checkpoint_message(name, recorder.inner_checkpoint), stacklevel=3)
     tape = recorder.tape()
     _mark_readers_of_written_externals(tape)
     stats.recorded += 1
@@ -246,6 +251,21 @@ def _run_block(
         assert frame.plan is not None
         state.templates.put((key, keep), template_from(tape, frame.plan, keep))
     return out
+
+
+def _inner_checkpoint_message(name: str, how: str) -> str:
+    if not how.startswith("torch's"):
+        return (
+            f"TapeSAC block {name!r} runs {how} inside its forward: the values autograd saves under "
+            "them go to those hooks, not to TapeSAC (results are exact; TapeSAC still replays their "
+            "producers where later values need them)"
+        )
+    return (
+        f"TapeSAC block {name!r} runs {how} inside its forward. Gradients are exact, but the "
+        "checkpointed region is recomputed twice in backward: once by TapeSAC's replay, for the "
+        "values computed from the region's outputs, and once by torch's checkpoint. TapeSAC already "
+        "recomputes the whole block: remove the checkpoint call inside it"
+    )
 
 
 def _unkeyable_message(name: str, arg_type: str | None) -> str:

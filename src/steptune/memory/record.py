@@ -23,6 +23,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import CheckpointFunction
 
 from steptune.memory.tape import ExternalRef, OpNode, Slot, Tape, ValueKey, _Ref
 
@@ -129,6 +130,11 @@ class Recorder(TorchDispatchMode):
         self._external_groups: set[int] = set()
         self._opaque_depth = 0
         self.seconds = 0.0
+        self.pack_fn: Callable[[torch.Tensor], Any] | None = None
+        """The pack hook this recording installed; another one on top means the block runs
+        saved-tensor hooks of its own (torch's non-reentrant checkpoint, ``save_on_cpu``)."""
+        self.inner_checkpoint: str | None = None
+        """How the block checkpoints inside its own forward, if it does (for the warning)."""
 
     # ----- storage groups and slots -------------------------------------------------------
     def _group(self, t: torch.Tensor, create: bool) -> int | None:
@@ -188,6 +194,10 @@ class Recorder(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         start = time.perf_counter()
+        if self.pack_fn is not None and self.inner_checkpoint is None:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            if top is not None and top[0] is not self.pack_fn:
+                self.inner_checkpoint = _hooks_owner(top[0])
         flat, spec = tree_flatten((args, kwargs))
         reads: list[ValueKey] = []
         template: list[Any] = []
@@ -343,6 +353,13 @@ class Recorder(TorchDispatchMode):
         self.captured[(sid, version)] = t
 
 
+def _hooks_owner(pack: Any) -> str:
+    qualname = getattr(pack, "__qualname__", type(pack).__name__)
+    if qualname.startswith("_checkpoint_hook."):
+        return "torch's non-reentrant checkpoint"
+    return f"saved-tensor hooks of its own ({qualname})"
+
+
 _local = threading.local()
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -360,6 +377,11 @@ def _patched_apply(fn_cls: Any, *args: Any, **kwargs: Any) -> Any:
     stack = _recorders()
     recorder = stack[-1] if stack else None
     if recorder is None:
+        return _original_apply.__func__(fn_cls, *args, **kwargs)
+    if fn_cls is CheckpointFunction and not recorder._opaque_depth:
+        # torch's reentrant checkpoint runs its function under no_grad through the dispatcher: the
+        # ops inside are recorded like any others (a custom Function nested in it stays opaque).
+        recorder.inner_checkpoint = "torch's reentrant checkpoint"
         return _original_apply.__func__(fn_cls, *args, **kwargs)
     recorder._opaque_depth += 1
     try:

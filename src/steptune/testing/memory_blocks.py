@@ -165,3 +165,31 @@ class DenseBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.b(torch.nn.functional.silu(self.a(self.norm(x))))
+
+
+class InnerCheckpointBlock(nn.Module):
+    """Calls torch's checkpoint on part of its own forward (``reentrant`` and ``p`` set per test):
+    the region has dropout when ``p > 0``, and a raw-kernel Function when ``opaque``."""
+
+    reentrant = False
+    p = 0.0
+    opaque = False
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.q = nn.Linear(width, width)
+        self.drop = nn.Dropout(self.p)
+
+    def _region(self, h: torch.Tensor) -> torch.Tensor:
+        u = torch.nn.functional.gelu(self.a(h))
+        if self.opaque:
+            u = _NumpySquare.apply(u)
+        return self.b(self.drop(u))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.q(x))
+        m = checkpoint(self._region, h, use_reentrant=self.reentrant)
+        return x + m * h
