@@ -114,7 +114,9 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
             gc.collect()
             opt.zero_grad()
             gen += 1
-            members, group, resume = rejoin(store, orig, gen, step, timeout)
+            members, group, resume, gen = rejoin(
+                store, orig, gen, step, timeout, die=[orig, gen] in spec.get("recovery_kills", [])
+            )
             if resume != step:  # got further than a peer: back to the common safe point
                 model.load_state_dict(snapshots[resume][0])
                 opt.load_state_dict(snapshots[resume][1])
@@ -134,19 +136,63 @@ def doomed(spec: dict[str, Any], orig: int, step: int) -> bool:
 
 
 def rejoin(
-    store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta
-) -> tuple[list[int], Any, int]:
+    store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta, *, die: bool = False
+) -> tuple[list[int], Any, int, int]:
     """After a failed collective: announce this rank alive for generation ``gen``, wait for the launcher's
     member list, build the survivors' group and agree on the step to resume from (the lowest one any
-    survivor was at). Returns (members by original rank, new group, resume step)."""
+    survivor was at). A member that dies during this (a second failure in the recovery window) never
+    announces itself, or breaks the new group; the launcher then lists the survivors again as generation
+    ``gen + 1`` and this rank joins that one. Returns (members by original rank, new group, resume step,
+    generation). ``die``: SIGKILL this rank first (fault injection: a death during recovery)."""
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:
+        broken = False
+        try:
+            members, group, resume = _join(store, orig, gen, step, timeout)
+            return members, group, resume, gen
+        except _Superseded:
+            pass
+        except RuntimeError:
+            broken = True  # the new group broke: a member died after announcing itself
+        if broken:  # outside the except block, whose traceback holds the group: its sockets must close
+            gc.collect()
+        gen += 1
+
+
+class _Superseded(Exception):
+    """The launcher listed the survivors again (another member died) before this generation formed."""
+
+
+def _join(
+    store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta
+) -> tuple[list[int], Any, int]:
     store.set(f"alive/{gen}/{orig}", str(step))
     store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
     members = json.loads(store.get(f"members/{gen}").decode())
+    # Every listed member announces itself before anyone builds the group: one that died since the list
+    # was written never does, and the launcher's next list supersedes this one within its poll period.
+    announced = [f"alive/{gen}/{m}" for m in members]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(announced):
+        if store.check([f"members/{gen + 1}"]):
+            raise _Superseded
+        if time.monotonic() > deadline:
+            missing = [m for m in members if not store.check([f"alive/{gen}/{m}"])]
+            raise TimeoutError(
+                f"rank {orig}: survivors {missing} of generation {gen} did not rejoin within "
+                f"{timeout.total_seconds():.0f} s, and the launcher reported no further death"
+            )
+        time.sleep(0.005)
     group = new_gloo_group(store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout)
     done = torch.tensor([float(step)])
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
-    group.allreduce([done], opts).wait()
+    try:
+        group.allreduce([done], opts).wait()
+    except RuntimeError:
+        abort_group(group)
+        raise
     return members, group, int(done.item())
 
 

@@ -223,7 +223,9 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
             gc.collect()
             opt.zero_grad()
             gen += 1
-            members, group, resume = rejoin(store, orig, gen, step, timeout)
+            members, group, resume, gen = rejoin(
+                store, orig, gen, step, timeout, die=[orig, gen] in spec.get("recovery_kills", [])
+            )
             me.group, me.rank = group, members.index(orig)
             if resume != step:  # got further than a peer: back to the common safe point
                 step, states, opt_state = snapshot

@@ -128,7 +128,9 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             gc.collect()
             opt.zero_grad()
             gen += 1
-            members_, group, resume = rejoin(store, orig, gen, step, timeout)
+            members_, group, resume, gen = rejoin(
+                store, orig, gen, step, timeout, die=[orig, gen] in spec.get("recovery_kills", [])
+            )
             if resume != step:  # got further than a peer: back to the common safe point
                 step, model_state, opt_state = snapshot
                 model.load_state_dict(model_state)

@@ -5,7 +5,7 @@ Both jobs are checked against ``live.reference_losses``: the same training in on
 
 import pytest
 
-from steptune.resilience.failstop import compare_failstop
+from steptune.resilience.failstop import compare_failstop, run_failstop
 from steptune.resilience.failstop_pipe import compare_failstop_pipe, reference_model
 from steptune.resilience.failstop_tp import compare_failstop_tp
 from steptune.resilience.failstop_tp import reference_model as reference_model_tp
@@ -25,6 +25,18 @@ def test_dp_survivors_continue_in_place_and_match_the_failure_free_run():
     assert res["max_loss_rel_diff"]["survive"] <= 1e-5, summary
     assert res["max_loss_rel_diff"]["restart"] <= 1e-5, summary
     assert res["wall_s"]["survive"] < res["wall_s"]["restart"], summary
+
+
+def test_a_second_death_during_recovery_is_survived_too():
+    # Rank 1 dies in step 3; rank 2 dies as it starts to rejoin, after the launcher has listed it among the
+    # survivors: ranks 0 and 3 wait for its announcement until the launcher's next list supersedes it.
+    spec = {"ranks": 4, "steps": 6, "seed": 0, "kill_rank": 1, "kill_step": 3, "recovery_kills": [[2, 1]],
+            "time_scale": 0.005, "mode": "survive", "timeout_s": 120}  # fmt: skip
+    res = run_failstop(spec)
+    ref = reference_losses(spec, proxy_model(0))
+    assert res["survivors"] == [0, 3], res
+    assert sorted(res["losses"]) == list(range(6)), res
+    assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(6)) <= 1e-5, res
 
 
 def test_pp_dead_stages_come_back_from_dp_peers_twice():
