@@ -167,23 +167,9 @@ class _Superseded(Exception):
 def _join(
     store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta
 ) -> tuple[list[int], Any, int]:
-    store.set(f"alive/{gen}/{orig}", str(step))
-    store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
-    members = json.loads(store.get(f"members/{gen}").decode())
-    # Every listed member announces itself before anyone builds the group: one that died since the list
-    # was written never does, and the launcher's next list supersedes this one within its poll period.
-    announced = [f"alive/{gen}/{m}" for m in members]
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not store.check(announced):
-        if store.check([f"members/{gen + 1}"]):
-            raise _Superseded
-        if time.monotonic() > deadline:
-            missing = [m for m in members if not store.check([f"alive/{gen}/{m}"])]
-            raise TimeoutError(
-                f"rank {orig}: survivors {missing} of generation {gen} did not rejoin within "
-                f"{timeout.total_seconds():.0f} s, and the launcher reported no further death"
-            )
-        time.sleep(0.005)
+    """One generation's rejoin. Store failures end the recovery (ConnectionError, TimeoutError: no retry
+    can help); a RuntimeError means the new group broke, and the caller tries the next generation."""
+    members = _listed(store, orig, gen, step, timeout)
     group = new_gloo_group(store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout)
     done = torch.tensor([float(step)])
     opts = dist.AllreduceOptions()
@@ -194,6 +180,38 @@ def _join(
         abort_group(group)
         raise
     return members, group, int(done.item())
+
+
+def _listed(store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta) -> list[int]:
+    """The launcher's survivors for ``gen``, once every one of them has announced itself."""
+    try:
+        store.set(f"alive/{gen}/{orig}", str(step))
+        try:
+            store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
+        except dist.DistStoreError as err:
+            raise TimeoutError(
+                f"rank {orig}: the launcher listed no survivors for generation {gen} within 60 s"
+            ) from err
+        members: list[int] = json.loads(store.get(f"members/{gen}").decode())
+        # Every listed member announces itself before anyone builds the group: one that died since the
+        # list was written never does, and the launcher's next list supersedes this one within its poll.
+        announced = [f"alive/{gen}/{m}" for m in members]
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not store.check(announced):
+            if store.check([f"members/{gen + 1}"]):
+                raise _Superseded
+            if time.monotonic() > deadline:
+                missing = [m for m in members if not store.check([f"alive/{gen}/{m}"])]
+                raise TimeoutError(
+                    f"rank {orig}: survivors {missing} of generation {gen} did not rejoin within "
+                    f"{timeout.total_seconds():.0f} s, and the launcher reported no further death"
+                )
+            time.sleep(0.005)
+    except (TimeoutError, _Superseded):
+        raise
+    except RuntimeError as err:  # the store itself: the launcher is gone
+        raise ConnectionError(f"rank {orig}: lost the launcher's store while rejoining: {err}") from err
+    return members
 
 
 def _launch(
