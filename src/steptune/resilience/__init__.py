@@ -18,8 +18,9 @@ from steptune.resilience.detect import (
     ResiHPConfig,
     ResiHPDetector,
 )
-from steptune.resilience.plan import ClusterState, ExecutionPlan, progressive_replan
+from steptune.resilience.plan import ClusterState, ExecutionPlan
 from steptune.resilience.predict import PredictorConfig, WorkloadPredictor
+from steptune.resilience.progressive import progressive_replan
 from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
 from steptune.resilience.workload import LENGTH_PRESETS, LengthDist, StageModel
 

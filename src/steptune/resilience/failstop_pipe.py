@@ -39,7 +39,7 @@ from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.resilience.failstop import compare_failstop, doomed, rejoin, run_failstop
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model, sum_and_step
 from steptune.resilience.pipelined import _BYTES_PER_PARAM, _layers, _Stage, run_stage
-from steptune.resilience.plan import plan_dp
+from steptune.resilience.planners import plan_dp
 
 __all__ = [
     "Pipes",

@@ -32,7 +32,7 @@ from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.pipeline.stages import lm_loss
 from steptune.resilience.failstop import compare_failstop, doomed, rejoin
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model
-from steptune.resilience.plan import plan_dp
+from steptune.resilience.planners import plan_dp
 from steptune.resilience.tensorpar import (
     _BYTES_PER_PARAM,
     _UNITS_PER_DEVICE,

@@ -32,7 +32,8 @@ import numpy as np
 from steptune.pipeline.costs import StageCosts
 from steptune.pipeline.simulate import makespan
 from steptune.resilience.live import allreduce_seconds, global_batch, stage_model
-from steptune.resilience.plan import ExecutionPlan, ReconfigCosts, plan_dp
+from steptune.resilience.plan import ExecutionPlan, ReconfigCosts
+from steptune.resilience.planners import plan_dp
 from steptune.resilience.policies import NoOp, ResiHPPolicy
 from steptune.resilience.runtime import RuntimeConfig, lpt_assign
 from steptune.resilience.sim import (

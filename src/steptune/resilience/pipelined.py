@@ -41,14 +41,9 @@ from steptune.resilience.live import (
     sum_and_step,
     summarize,
 )
-from steptune.resilience.plan import (
-    ClusterState,
-    ExecutionPlan,
-    ReconfigCosts,
-    initial_plan,
-    plan_dp,
-    progressive_replan,
-)
+from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts
+from steptune.resilience.planners import initial_plan, plan_dp
+from steptune.resilience.progressive import progressive_replan
 from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
 from steptune.resilience.workload import StageModel, features
 

@@ -12,14 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from steptune.resilience.plan import (
-    ClusterState,
-    ExecutionPlan,
-    ReconfigCosts,
-    progressive_replan,
-    rebalanced,
-    should_apply,
-)
+from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts
+from steptune.resilience.planners import rebalanced, should_apply
+from steptune.resilience.progressive import progressive_replan
 from steptune.resilience.sim import Decision, SimContext, SimJob, reconfig_cost
 from steptune.resilience.simload import PREDICTION_SIGMA
 

@@ -50,17 +50,9 @@ from steptune.resilience.live import (
     stage_model,
     summarize,
 )
-from steptune.resilience.plan import (
-    ClusterState,
-    ExecutionPlan,
-    ReconfigCosts,
-    initial_plan,
-    makespan,
-    plan_dp,
-    progressive_replan,
-    should_apply,
-    water_fill,
-)
+from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts, water_fill
+from steptune.resilience.planners import initial_plan, makespan, plan_dp, should_apply
+from steptune.resilience.progressive import progressive_replan
 from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
 
 __all__ = [

@@ -10,12 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from steptune.pipeline.costs import balanced_partition
-from steptune.resilience.plan import (
-    ClusterState,
-    ExecutionPlan,
+from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts, StageMemory
+from steptune.resilience.planners import (
     Move,
-    ReconfigCosts,
-    StageMemory,
     estimate_step_time,
     initial_plan,
     makespan,
@@ -23,9 +20,9 @@ from steptune.resilience.plan import (
     plan_dp,
     plan_pp,
     plan_tp,
-    progressive_replan,
     should_apply,
 )
+from steptune.resilience.progressive import progressive_replan
 from steptune.resilience.workload import features
 
 pytestmark = pytest.mark.timeout(60)

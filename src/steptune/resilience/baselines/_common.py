@@ -5,9 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from steptune.resilience.plan import (
-    ExecutionPlan,
-)
+from steptune.resilience.plan import ExecutionPlan
 from steptune.resilience.sim import SimContext
 
 _INF = math.inf

@@ -6,13 +6,8 @@ import math
 from dataclasses import replace
 
 from steptune.resilience.baselines._common import _INF, _dead, _stage_costs
-from steptune.resilience.plan import (
-    ClusterState,
-    ExecutionPlan,
-    StageMemory,
-    plan_pp,
-    rebalanced,
-)
+from steptune.resilience.plan import ClusterState, ExecutionPlan, StageMemory
+from steptune.resilience.planners import plan_pp, rebalanced
 from steptune.resilience.policies import Memoized, restart_plan
 from steptune.resilience.sim import Decision, SimContext, dp_sync_s, pipeline_time, reconfig_cost
 
