@@ -332,7 +332,8 @@ def _rebalance(
 
 
 def estimate_step_time(state: ClusterState, plan: ExecutionPlan) -> float:
-    """Modelled step time of ``plan`` (module docstring); inf if it uses a dead device or a stage OOMs."""
+    """Modelled step time of ``plan`` (module docstring); inf if a stage cannot run: a dead device with
+    work (every member under k x min p; one holding units under ``tp_shares``) or a stage that OOMs."""
     tp = [[plan.group(r, s) for s in range(plan.num_stages)] for r in range(plan.num_replicas)]
     return _step_time(state, tp, plan.layer_partition, plan.microbatches)
 
