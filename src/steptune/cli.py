@@ -40,3 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         what = f"no such file: {exc.filename}" if exc.filename else str(exc)
         print(f"steptune {args.command}: error: {what}", file=sys.stderr)
         return 2
+    except OSError as exc:  # output paths are checked at parse time; this is what slipped past that
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"steptune {args.command}: error: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2

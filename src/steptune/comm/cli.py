@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import positive_int
+from steptune.core.argtypes import output_file, positive_int
 
 __all__ = ["register"]
 
@@ -90,7 +90,7 @@ def register(sub: Any) -> None:
         "models with stock FSDP2 and with TIDE, interleaved; then sweeps the reduce-scatter alone over "
         "W = 2..8 thread ranks. Writes JSON and a staging plot next to it.",
     )
-    b.add_argument("--json", required=True, help="where to write the results (JSON)")
+    b.add_argument("--json", type=output_file, required=True, help="where to write the results (JSON)")
     b.add_argument("--quick", action="store_true", help="W = 2, 4 and two models only (about a minute)")
     b.set_defaults(func=_bench)
     sim = verbs.add_parser(
@@ -105,7 +105,7 @@ def register(sub: Any) -> None:
     sim.add_argument("--cluster", default="dgx-h100", help="cluster preset: dgx-h100, dgx-h200, gb200-nvl72")
     sim.add_argument("--tokens", type=positive_int, default=8192, help="tokens per GPU per step")
     sim.add_argument("--calibration", default=None, help="a benchmarks/gpu/comm.py JSON with a 'fit' section")
-    sim.add_argument("--json", default=None, help="also write the results as JSON")
+    sim.add_argument("--json", type=output_file, default=None, help="also write the results as JSON")
     sim.set_defaults(func=_simulate)
     cal = verbs.add_parser(
         "calibrate",

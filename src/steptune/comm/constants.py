@@ -8,6 +8,7 @@ docs/comm.md) until ``steptune comm calibrate`` replaces them with figures from 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -86,15 +87,19 @@ _CALIBRATABLE = (
 
 def calibrated(path: str | Path, base: CommConstants | None = None) -> CommConstants:
     """Constants with the fitted values of a ``benchmarks/gpu/comm.py`` JSON (its ``"fit"`` section)."""
-    data: dict[str, Any] = json.loads(Path(path).read_text())
-    fit = data.get("fit")
-    if not isinstance(fit, dict):
+    try:
+        data: Any = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON file ({err})") from None
+    fit = data.get("fit") if isinstance(data, dict) else None
+    if not isinstance(fit, dict) or not fit:
         raise ValueError(f"{path}: no 'fit' section; produce it with benchmarks/gpu/comm.py --json")
     unknown = sorted(set(fit) - set(_CALIBRATABLE))
     if unknown:
         raise ValueError(f"{path}: unknown fitted constants {unknown}; known: {list(_CALIBRATABLE)}")
     for k, v in fit.items():
-        if not isinstance(v, (int, float)) or v < 0 or (k != "hbm_contention" and v == 0):
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not number or v < 0 or (k != "hbm_contention" and v == 0):
             raise ValueError(f"{path}: fitted {k}={v!r} is not a positive number")
     names = {f.name for f in fields(CommConstants)}
     assert set(_CALIBRATABLE) <= names

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["non_negative_float", "positive_float", "positive_int"]
+__all__ = ["non_negative_float", "output_dir", "output_file", "positive_float", "positive_int"]
 
 
 def _number(
@@ -35,3 +37,32 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """A finite number >= 0 (a budget where 0 means "only the fixed part")."""
     return _number(text, float, lambda v: v >= 0, "a number", ">= 0 and finite")
+
+
+def output_file(text: str) -> Path:
+    """A file path the command can write when it ends (checked before any work is done): not a
+    directory, and its nearest existing ancestor a writable directory (missing ones are created)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file path inside it")
+    _writable_ancestor(path.parent, text)
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """A directory the command can write into: an existing directory, or one it can create."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    _writable_ancestor(path, text)
+    return path
+
+
+def _writable_ancestor(folder: Path, text: str) -> None:
+    here = folder.absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {here} is a file, not a folder")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: no write permission in {here}")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import positive_float, positive_int
+from steptune.core.argtypes import output_file, positive_float, positive_int
 
 __all__ = ["register"]
 
@@ -58,6 +58,11 @@ def _eval(args: argparse.Namespace) -> int:
     path = Path(args.candidate)
     if not path.is_file():
         raise ValueError(f"--candidate {args.candidate!r} is not a file")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: this machine's torch sees no CUDA device; use --device cpu")
     config = PoolConfig(
         num_workers=1,
         timeout_s=args.timeout,
@@ -199,6 +204,7 @@ def _optimize(args: argparse.Namespace) -> int:
         print(f"best        {best.speedup:.2f}x the reference, from {c.origin} in iteration {c.iteration} "
               f"at {c.created_s:.1f} s")  # fmt: skip
         out = Path(args.out or f"{problem.name}_best.py")
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(c.code)
         print(f"wrote: {out} (the best kernel; check it with steptune kernels eval --problem {problem.name} "
               f"--candidate {out})")  # fmt: skip
@@ -251,11 +257,15 @@ def register(sub: Any) -> None:
     )
     ev.add_argument("--problem", required=True, help="a built-in problem name or a KernelBench-format file")
     ev.add_argument("--candidate", required=True, help="the candidate file (defines ModelNew)")
-    ev.add_argument("--json", default=None, help="also write the result as JSON to this path")
-    ev.add_argument("--timeout", type=float, default=60.0, help=docs.get("timeout_s", ""))
-    ev.add_argument("--memory-mib", type=float, default=2048, help=docs.get("memory_bytes", "") + " (MiB)")
-    ev.add_argument("--trials", type=int, default=5, help=docs.get("trials", ""))
-    ev.add_argument("--rounds", type=int, default=15, help=docs.get("rounds", ""))
+    ev.add_argument(
+        "--json", type=output_file, default=None, help="also write the result as JSON to this path"
+    )
+    ev.add_argument("--timeout", type=positive_float, default=60.0, help=docs.get("timeout_s", ""))
+    ev.add_argument(
+        "--memory-mib", type=positive_float, default=2048, help=docs.get("memory_bytes", "") + " (MiB)"
+    )
+    ev.add_argument("--trials", type=positive_int, default=5, help=docs.get("trials", ""))
+    ev.add_argument("--rounds", type=positive_int, default=15, help=docs.get("rounds", ""))
     ev.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help=docs.get("device", ""))
     ev.set_defaults(func=_eval)
     op = verbs.add_parser(
@@ -274,9 +284,18 @@ def register(sub: Any) -> None:
     )
     op.add_argument("--tokens", type=positive_int, default=None, help="generated-token budget (forks count)")
     op.add_argument("--iterations", type=positive_int, default=None, help="iteration budget")
-    op.add_argument("--target", type=float, default=None, help="stop once a kernel reaches this speedup")
-    op.add_argument("--out", default=None, help="where to write the best kernel (default: PROBLEM_best.py)")
-    op.add_argument("--json", default=None, help="write the report and every candidate here")
+    op.add_argument(
+        "--target", type=positive_float, default=None, help="stop once a kernel reaches this speedup"
+    )
+    op.add_argument(
+        "--out",
+        type=output_file,
+        default=None,
+        help="where to write the best kernel (default: PROBLEM_best.py)",
+    )
+    op.add_argument(
+        "--json", type=output_file, default=None, help="write the report and every candidate here"
+    )
     op.set_defaults(func=_optimize)
     be = verbs.add_parser(
         "bench",
@@ -299,5 +318,5 @@ def register(sub: Any) -> None:
     be.add_argument(
         "--problems", nargs="*", default=None, help="subset of problems (default: all with examples)"
     )
-    be.add_argument("--json", default=None, help="write the report as JSON to this path")
+    be.add_argument("--json", type=output_file, default=None, help="write the report as JSON to this path")
     be.set_defaults(func=_bench)

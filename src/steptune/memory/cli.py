@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import positive_int
+from steptune.core.argtypes import output_file, positive_int
 
 __all__ = ["register"]
 
@@ -57,9 +58,14 @@ def _plan(args: argparse.Namespace) -> int:
     if args.model not in MODEL_PRESETS:
         raise ValueError(f"unknown --model {args.model!r}; choose one of {sorted(MODEL_PRESETS)}")
     value = _parse_limit(args.limit)
-    if value <= 0:
+    if not 0 < value < math.inf:
         raise ValueError(
-            f"--limit must be positive (bytes, e.g. 300MiB, or a fraction in (0, 1]); got {args.limit}"
+            f"--limit must be positive and finite (bytes, e.g. 300MiB, or a fraction in (0, 1]); got "
+            f"{args.limit}"
+        )
+    if 1 < value < 1024:
+        raise ValueError(
+            f"--limit {args.limit}: a fraction must lie in (0, 1]; for bytes give a unit (e.g. 300MiB)"
         )
     model = build_model(args.model)
     batch = make_batch(args.model, batch=args.batch, seq=args.seq)
@@ -168,7 +174,7 @@ def register(sub: Any) -> None:
         "--repeats", type=positive_int, default=7, help="timed steps per policy, interleaved (default 7)"
     )
     c.add_argument("--no-time", action="store_true", help="skip timing (work, peaks and gradients only)")
-    c.add_argument("--json", type=Path, help="write the measurements to this JSON file")
+    c.add_argument("--json", type=output_file, help="write the measurements to this JSON file")
     c.set_defaults(func=_compare)
 
     pl = verbs.add_parser(
@@ -185,8 +191,8 @@ def register(sub: Any) -> None:
     pl.add_argument(
         "--limit", required=True, help="step-peak limit: bytes (e.g. 300MiB) or a fraction in (0, 1]"
     )
-    pl.add_argument("--batch", type=int, help="batch size (default: the preset's)")
-    pl.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    pl.add_argument("--batch", type=positive_int, help="batch size (default: the preset's)")
+    pl.add_argument("--seq", type=positive_int, help="sequence length (default: the preset's)")
     pl.add_argument("--solver", default="milp", choices=["milp", "greedy"])
     pl.set_defaults(func=_plan)
     for verb, text in (
@@ -198,7 +204,7 @@ def register(sub: Any) -> None:
         b.add_argument(
             "--repeats", type=positive_int, default=7, help="timed rounds per row, interleaved (default 7)"
         )
-        b.add_argument("--json", type=Path, help="write the rows to this JSON file")
+        b.add_argument("--json", type=output_file, help="write the rows to this JSON file")
         if verb == "pareto":
-            b.add_argument("--out", type=Path, default=Path("runs/memory_pareto.png"), help="PNG path")
+            b.add_argument("--out", type=output_file, default=Path("runs/memory_pareto.png"), help="PNG path")
         b.set_defaults(func=_bench)

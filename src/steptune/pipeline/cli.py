@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import non_negative_float, positive_int
+from steptune.core.argtypes import non_negative_float, output_dir, output_file, positive_float, positive_int
 
 __all__ = ["register"]
 
@@ -15,12 +15,14 @@ __all__ = ["register"]
 def _costs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory-cap",
-        type=float,
+        type=positive_float,
         default=None,
         help="bytes per device (default: the cluster device's memory)",
     )
     p.add_argument("--cluster", default="dgx-h100", help="cluster preset for device speed, memory and links")
-    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s matmuls reach")
+    p.add_argument(
+        "--efficiency", type=positive_float, default=0.5, help="fraction of peak FLOP/s matmuls reach"
+    )
 
 
 def _model_costs(args: argparse.Namespace, model: str) -> tuple[Any, float, Any]:
@@ -165,6 +167,14 @@ def _run(args: argparse.Namespace) -> int:
             f"{args.schedule} has no partition: run a schedule written by `steptune pipeline tune` "
             "(schedule.json), or add a 'partition' list to the JSON"
         )
+    # Check here what each rank would otherwise find on its own, in a traceback per rank: the model
+    # preset against the partition, and that the schedule runs (simulate raises on a deadlock).
+    from steptune.pipeline.costs import StageCosts
+    from steptune.pipeline.runner import build_bundle
+    from steptune.pipeline.simulate import simulate
+
+    build_bundle(args.model, sched)
+    simulate(sched, StageCosts.uniform(sched.num_stages))
     call = (sched.to_json(), args.model, args.repeats, args.check, args.check)
     if "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
         import datetime
@@ -223,14 +233,14 @@ def register(sub: Any) -> None:
         default=20.0,
         help="seconds for the whole search (default 20)",
     )
-    t.add_argument("--out", type=Path, default=Path("runs/pipeline/tune"), help="output folder")
+    t.add_argument("--out", type=output_dir, default=Path("runs/pipeline/tune"), help="output folder")
     _costs_args(t)
     t.set_defaults(func=_tune)
 
     s = verbs.add_parser("simulate", help="simulate a schedule file (.csv as torch writes it, or .json)")
     s.add_argument("--schedule", type=Path, required=True)
     s.add_argument("--model", default=None, help="model preset for costs (default: unit costs F=I=W=1)")
-    s.add_argument("--out", type=Path, default=Path("runs/pipeline/simulate"), help="output folder")
+    s.add_argument("--out", type=output_dir, default=Path("runs/pipeline/simulate"), help="output folder")
     _costs_args(s)
     s.set_defaults(func=_simulate)
 
@@ -253,14 +263,14 @@ def register(sub: Any) -> None:
         action="store_true",
         help="also run torch's _PipelineScheduleRuntime and a single-process gradient reference",
     )
-    r.add_argument("--json", type=Path, default=None, help="write the report here")
+    r.add_argument("--json", type=output_file, default=None, help="write the report here")
     r.set_defaults(func=_run)
 
     b = verbs.add_parser(
         "bench", help="tuner vs every anchor on the benchmark suite; writes JSON + table + PNG"
     )
     b.add_argument("--suite", choices=("quick", "full"), default="quick")
-    b.add_argument("--json", type=Path, default=Path("runs/pipeline/bench.json"))
+    b.add_argument("--json", type=output_file, default=Path("runs/pipeline/bench.json"))
     b.add_argument(
         "--time-budget",
         type=non_negative_float,

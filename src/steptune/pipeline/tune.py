@@ -269,6 +269,13 @@ def tune(
             cand = evaluate(units, split, f"{pol.label()}/{family}", make_list, part, pname)
             if cand is not None:
                 seeds.append((cand, f"{pol.label()}/{family}", make_list, part, units, split))
+    if not combos:
+        stages = min(len(placement_for(f, p)) for f in config.families)
+        most = max(split_layer(layers, layers.num_layers - 1, x).num_layers for x in splits)
+        raise ValueError(
+            f"{p} devices need at least {stages} pipeline stages, but the model has {layers.num_layers} "
+            f"layers ({most} units with its head split): every stage needs one; use fewer devices"
+        )
     feasible = [sd for sd in seeds if sd[0].memory_ok]
     if not feasible:
         cap = "none" if config.memory_cap is None else f"{config.memory_cap:.4g} B"

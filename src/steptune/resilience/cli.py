@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import positive_float, positive_int
+from steptune.core.argtypes import output_file, positive_float, positive_int
 
 __all__ = ["register"]
 
@@ -83,6 +83,13 @@ def _simulate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    late = [f for f in failures if f.start_s >= args.duration]
+    if late:
+        print(
+            f"steptune resilience simulate: warning: {len(late)} failure(s) start at or after --duration "
+            f"{args.duration:g} s and never happen (first: {late[0].kind} at {late[0].start_s:g} s)",
+            file=sys.stderr,
+        )
     if not job.comm and any(f.target == "link" for f in failures):
         print(
             "steptune resilience simulate: the scenario has link fail-slows; drop --free-comm so that "
@@ -145,6 +152,13 @@ def _simulate(args: argparse.Namespace) -> int:
         )
         print(f"wrote: {args.json}")
     return 0
+
+
+def _slowdown(text: str) -> float:
+    factor = positive_float(text)
+    if factor <= 1:
+        raise argparse.ArgumentTypeError(f"must be a slowdown > 1 (1.25 = 25% slower), got {text}")
+    return factor
 
 
 def _add_lengths(p: argparse.ArgumentParser) -> None:
@@ -310,6 +324,8 @@ def _run(args: argparse.Namespace) -> int:
     for f in faults:
         if not 0 <= f["rank"] < args.ranks:
             raise ValueError(f"--inject rank {f['rank']} is outside 0..{args.ranks - 1}")
+        if not 0 <= f["start"] < args.steps:
+            raise ValueError(f"--inject at={f['start']} never comes: the run has steps 0..{args.steps - 1}")
     links = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow-link"]
     faults = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow"]
     if links and pp * tp > 1:
@@ -403,12 +419,19 @@ def _failstop(args: argparse.Namespace) -> int:
     if not 0 <= args.kill_step < args.steps:
         raise ValueError(f"--kill-step {args.kill_step}: the run has steps 0..{args.steps - 1} (--steps)")
     if args.layout is None:
+        if args.ranks < 2:
+            raise ValueError("--ranks must be >= 2: a dead rank's survivors are its data-parallel peers")
         if not 0 <= args.kill_rank < args.ranks:
             raise ValueError(f"--kill-rank {args.kill_rank}: the job has ranks 0..{args.ranks - 1} (--ranks)")
         res = compare_failstop({**spec, "ranks": args.ranks})
         where = f"before step {args.kill_step}'s all-reduce"
     else:
         dp, pp, tp = parse_layout(args.layout)
+        if dp < 2:
+            raise ValueError(
+                f"--layout {args.layout}: fail-stop survival restores a dead rank's state from a "
+                "data-parallel peer, so it needs dp >= 2"
+            )
         if not 0 <= args.kill_rank < dp * pp * tp:
             raise ValueError(
                 f"--kill-rank {args.kill_rank}: the layout {args.layout} has ranks 0..{dp * pp * tp - 1}"
@@ -455,11 +478,15 @@ def register(sub: Any) -> None:
     d.add_argument("--model", default="llama2-7b")
     d.add_argument("--pp", type=positive_int, default=4)
     d.add_argument("--dp", type=positive_int, default=4)
-    d.add_argument("--lengths", default="code", help="length distribution preset (code, chat, uniform)")
+    d.add_argument(
+        "--lengths", choices=("code", "chat", "uniform"), default="code", help="length distribution preset"
+    )
     d.add_argument("--runs", type=positive_int, default=20)
     d.add_argument("--steps", type=positive_int, default=80)
-    d.add_argument("--factor", type=float, default=1.25, help="injected fail-slow factor")
-    d.add_argument("--json", type=Path, default=None)
+    d.add_argument(
+        "--factor", type=_slowdown, default=1.25, help="injected slowdown: 1.25 = 25%% slower (> 1)"
+    )
+    d.add_argument("--json", type=output_file, default=None)
     d.set_defaults(func=_detect)
     run = verbs.add_parser(
         "run",
@@ -497,7 +524,7 @@ def register(sub: Any) -> None:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument(
         "--ranks-per-node",
-        type=int,
+        type=positive_int,
         default=None,
         help="place this many ranks per node of the cluster (default: all on one); 1 puts the DP gradient "
         "all-reduce on the network, where a slow link shows",
@@ -511,10 +538,10 @@ def register(sub: Any) -> None:
     )
     run.add_argument("--no-adapt", action="store_true", help="detect only (the unmitigated baseline)")
     run.add_argument("--compare", action="store_true", help="healthy vs unmitigated vs adapted, same seeds")
-    run.add_argument("--json", type=Path, default=None, help="with --compare: write the results here")
+    run.add_argument("--json", type=output_file, default=None, help="with --compare: write the results here")
     run.add_argument(
         "--plot",
-        type=Path,
+        type=output_file,
         default=None,
         help="with --compare: a PNG of each run's step time, measured and as the simulator predicts it",
     )
@@ -542,7 +569,7 @@ def register(sub: Any) -> None:
     )
     fs.add_argument("--time-scale", type=positive_float, default=0.01)
     fs.add_argument("--seed", type=int, default=0)
-    fs.add_argument("--json", type=Path, default=None)
+    fs.add_argument("--json", type=output_file, default=None)
     fs.set_defaults(func=_failstop)
     t = verbs.add_parser("trace", help="replay the real 128-GPU straggler trace through every detector")
     t.add_argument("--path", type=Path, default=None, help="trace parquet (default: the shared copy)")
@@ -551,8 +578,9 @@ def register(sub: Any) -> None:
     sim.add_argument(
         "--scenario",
         default="mixed",
-        help="a CSV trace (kind,device,start_s,duration_s,factor) "
-        "or a generated kind: fail-stop, fail-slow-weak|medium|strong, fail-slow-link, mixed",
+        help="a CSV trace (kind,device,start_s,duration_s,factor; factor: the fail-slow device's speed "
+        "in (0, 1], 0.5 = half speed) or a generated kind: fail-stop, fail-slow-weak|medium|strong, "
+        "fail-slow-link, mixed",
     )
     sim.add_argument(
         "--policy",
@@ -561,7 +589,7 @@ def register(sub: Any) -> None:
         "adaptra, strengthened-recycle, strengthened-oobleck, malleus-lite, ckpt-restart, noop, oracle",
     )
     sim.add_argument("--model", default="llama2-13b")
-    sim.add_argument("--duration", type=float, default=7200.0, help="simulated seconds")
+    sim.add_argument("--duration", type=positive_float, default=7200.0, help="simulated seconds (7200)")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--verbose", action="store_true", help="print every plan change")
     sim.add_argument(
@@ -570,7 +598,7 @@ def register(sub: Any) -> None:
         help="do not price TP/PP/DP communication (link fail-slows are then rejected)",
     )
     _add_lengths(sim)
-    sim.add_argument("--json", type=Path, default=None)
+    sim.add_argument("--json", type=output_file, default=None)
     sim.set_defaults(func=_simulate)
     b = verbs.add_parser("bench", help="every policy on the same simulated 256-GPU scenarios (JSON, table)")
     b.add_argument("--quick", action="store_true", help="2 models x 3 kinds x 30 min: under a minute")
@@ -580,8 +608,8 @@ def register(sub: Any) -> None:
     b.add_argument("--workers", type=positive_int, default=2, help="processes")
     b.add_argument("--models", default=None, help="comma-separated model presets (default: all seven)")
     _add_lengths(b)
-    b.add_argument("--json", type=Path, required=True)
-    b.add_argument("--plot", type=Path, default=None, help="PNG of the ratios per scenario kind")
+    b.add_argument("--json", type=output_file, required=True)
+    b.add_argument("--plot", type=output_file, default=None, help="PNG of the ratios per scenario kind")
     b.set_defaults(func=_bench)
     sw = verbs.add_parser(
         "sweep", help="sensitivity to the failure rate, the fail-slow duration and the sequence-length spread"
@@ -591,5 +619,5 @@ def register(sub: Any) -> None:
         "--quick", action="store_true", help="two scales, 30 simulated minutes, few detector runs"
     )
     sw.add_argument("--workers", type=positive_int, default=2)
-    sw.add_argument("--json", type=Path, required=True)
+    sw.add_argument("--json", type=output_file, required=True)
     sw.set_defaults(func=_sweep)

@@ -42,7 +42,7 @@ from steptune.resilience.live import global_batch, microbatch_loss, proxy_model,
 from steptune.resilience.runtime import lpt_assign
 from steptune.resilience.workload import StageModel
 
-__all__ = ["compare_failstop", "doomed", "rejoin", "run_failstop"]
+__all__ = ["commit", "compare_failstop", "doomed", "rejoin", "run_failstop"]
 
 
 def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, seed: int, step: int,
@@ -158,6 +158,13 @@ def rejoin(
         if broken:  # outside the except block, whose traceback holds the group: its sockets must close
             gc.collect()
         gen += 1
+
+
+def commit(group: Any) -> None:
+    """End of a recovery's state copy: an all-reduce every survivor must reach. If one died during the
+    copy it raises on every rank, so all of them keep the old layout and rejoin again, instead of some
+    switching to a layout whose copies never arrived."""
+    group.allreduce([torch.zeros(1)]).wait()
 
 
 class _Superseded(Exception):

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
-from steptune.resilience.failstop import compare_failstop, doomed, rejoin, run_failstop
+from steptune.resilience.failstop import commit, compare_failstop, doomed, rejoin, run_failstop
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model, sum_and_step
 from steptune.resilience.pipelined import _BYTES_PER_PARAM, _layers, _Stage, run_stage
 from steptune.resilience.planners import plan_dp
@@ -217,7 +217,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
             failed = True
         else:
             failed = False
-        if failed:  # outside the except block: its traceback holds the broken group (see failstop)
+        while failed:  # outside the except block: its traceback holds the broken group (see failstop)
             abort_group(group)
             me.group = group = None
             gc.collect()
@@ -244,8 +244,15 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
                 _own(me, pipes, orig, num_layers)
                 step, losses = _load_latest(ckpt, me, num_layers)
                 info["recoveries"].append({"from": "checkpoint", "step": step, "pipes": pipes})
+                break
+            try:
+                if [orig, gen] in spec.get("copy_kills", []):
+                    os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a death during the copy
+                me.move([(i, members.index(s), members.index(d)) for i, s, d in moves], keep_sent=True)
+                commit(group)
+            except RuntimeError:  # a survivor died during the copy: every rank keeps the old layout, rejoins
+                info["recoveries"].append({"from": "aborted", "step": step, "generation": gen})
                 continue
-            me.move([(i, members.index(s), members.index(d)) for i, s, d in moves], keep_sent=True)
             mine = sum(1 for _, s, d in moves if orig in (s, d))  # the emulated transfer of the real layers
             time.sleep(mine * real_block_bytes / link * scale)
             pipes = new
@@ -254,6 +261,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
                 {"from": "peers", "step": step, "moves": moves, "pipes": pipes,
                  "restore_s": time.perf_counter() - t0}
             )  # fmt: skip
+            failed = False
     out.put((orig, {k: losses[k] for k in sorted(losses)}, {**info, "pipes": pipes}))
 
 

@@ -30,7 +30,7 @@ import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.pipeline.stages import lm_loss
-from steptune.resilience.failstop import compare_failstop, doomed, rejoin
+from steptune.resilience.failstop import commit, compare_failstop, doomed, rejoin
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model
 from steptune.resilience.planners import plan_dp
 from steptune.resilience.tensorpar import (
@@ -122,7 +122,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             failed = True
         else:
             failed = False
-        if failed:  # outside the except block: its traceback holds the broken group (see failstop)
+        while failed:  # outside the except block: its traceback holds the broken group (see failstop)
             abort_group(group)
             holder.group = group = None
             gc.collect()
@@ -141,7 +141,14 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             moves = restore_moves(owners, new, members_)  # LookupError: no copy left (stated, not hidden)
             rank = members_.index(orig)
             holder.group, holder.rank = group, rank
-            holder.transfer([(u, members_.index(s), members_.index(d)) for u, s, d in moves])
+            try:
+                if [orig, gen] in spec.get("copy_kills", []):
+                    os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a death during the copy
+                holder.transfer([(u, members_.index(s), members_.index(d)) for u, s, d in moves])
+                commit(group)
+            except RuntimeError:  # a survivor died during the copy: every rank keeps the old owners, rejoins
+                info["recoveries"].append({"from": "aborted", "step": step, "generation": gen})
+                continue
             mine = sum(1 for _, s, d in moves if orig in (s, d))  # the emulated transfer of the real shard
             time.sleep(mine * unit_bytes / link * scale)
             owners = new
@@ -150,6 +157,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
                 {"from": "peers", "step": step, "moves": moves, "owners": owners,
                  "restore_s": time.perf_counter() - t0}
             )  # fmt: skip
+            failed = False
     out.put((orig, {k: losses[k] for k in sorted(losses)}, {**info, "owners": owners}))
 
 

@@ -62,8 +62,8 @@ def generate(
     """Failures of one ``kind`` (``KINDS``) over ``duration_s`` on devices ``0..num_devices-1``."""
     if kind not in KINDS:
         raise ValueError(f"unknown scenario kind {kind!r}; choose one of {KINDS}")
-    if num_devices < 1 or duration_s <= 0:
-        raise ValueError("need num_devices >= 1 and duration_s > 0")
+    if num_devices < 1 or not 0 < duration_s < math.inf:
+        raise ValueError("need num_devices >= 1 and a finite duration_s > 0")
     rates = rates or Rates()
     rng = np.random.default_rng(seed)
     out: list[FailureEvent] = []

@@ -102,8 +102,8 @@ class FailureEvent:
             raise ValueError(f"failure kind {self.kind!r} must be one of {_KINDS}")
         if self.target not in _TARGETS or (self.target == "link" and self.kind != "fail-slow"):
             raise ValueError(f"failure target {self.target!r} must be one of {_TARGETS} (link: fail-slows)")
-        if self.device < 0 or self.start_s < 0 or self.duration_s <= 0:
-            raise ValueError("failure needs device >= 0, start_s >= 0 and duration_s > 0")
+        if self.device < 0 or not 0 <= self.start_s < math.inf or not self.duration_s > 0:
+            raise ValueError("failure needs device >= 0, a finite start_s >= 0 and duration_s > 0 (or inf)")
         if self.kind == "fail-slow" and not 0 < self.factor <= 1:
             raise ValueError(f"fail-slow factor {self.factor} must lie in (0, 1] (0.5 = half speed)")
 

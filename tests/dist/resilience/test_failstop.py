@@ -6,8 +6,8 @@ Both jobs are checked against ``live.reference_losses``: the same training in on
 import pytest
 
 from steptune.resilience.failstop import compare_failstop, run_failstop
-from steptune.resilience.failstop_pipe import compare_failstop_pipe, reference_model
-from steptune.resilience.failstop_tp import compare_failstop_tp
+from steptune.resilience.failstop_pipe import compare_failstop_pipe, reference_model, run_failstop_pipe
+from steptune.resilience.failstop_tp import _tp_worker, compare_failstop_tp
 from steptune.resilience.failstop_tp import reference_model as reference_model_tp
 from steptune.resilience.live import proxy_model, reference_losses
 
@@ -80,3 +80,33 @@ def test_tp_dead_members_shards_come_back_from_dp_peers_twice():
     assert second["step"] == 9 and second["owners"] == ((0,) * 8, (2,) * 8), summary
     assert sorted(second["moves"]) == [(u, 2, 0) for u in range(4, 8)], summary
     assert res["max_loss_rel_diff"]["survive"] <= 1e-5, summary
+
+
+def test_a_death_during_the_pp_state_copy_falls_back_to_the_checkpoint_on_every_survivor(tmp_path):
+    # Step 5: rank 3 dies; rank 1 is to copy stage 1's layers to rank 2 and dies instead. Rank 0 takes no
+    # part in the copy: only the commit all-reduce tells it that the copy failed. Stage 1's layers are then
+    # lost in both pipelines, so ranks 0 and 2 both go back to the checkpoint of step 4.
+    spec = {"dp": 2, "pp": 2, "steps": 8, "seed": 0, "kills": [[3, 5]], "copy_kills": [[1, 1]],
+            "checkpoint": str(tmp_path / "ckpt"), "checkpoint_every": 4, "time_scale": 0.005,
+            "mode": "survive", "timeout_s": 150}  # fmt: skip
+    res = run_failstop_pipe(spec)
+    ref = reference_losses(spec, reference_model(spec))
+    assert res["survivors"] == [0, 2], res
+    assert [(r["from"], r["step"]) for r in res["info"]["recoveries"]] == [("aborted", 5), ("checkpoint", 4)]
+    assert sorted(res["losses"]) == list(range(8)), res
+    assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(8)) <= 1e-5, res
+
+
+def test_a_death_during_the_tp_shard_copy_is_retried_among_the_rest():
+    # Step 5: rank 3 dies; rank 0 dies as rank 1 copies units 4-7 to rank 2. The commit fails on both, they
+    # keep the old owners, rejoin, and each becomes a TP-1 replica holding all eight units.
+    spec = {"dp": 2, "tp": 2, "ranks": 4, "steps": 7, "seed": 0, "kills": [[3, 5]], "copy_kills": [[0, 1]],
+            "time_scale": 0.005, "mode": "survive", "timeout_s": 150}  # fmt: skip
+    res = run_failstop(spec, _tp_worker)
+    model, forward = reference_model_tp(spec)
+    ref = reference_losses(spec, model, forward)
+    assert res["survivors"] == [1, 2], res
+    recoveries = res["info"]["recoveries"]
+    assert [(r["from"], r["step"]) for r in recoveries] == [("aborted", 5), ("peers", 5)], res
+    assert recoveries[1]["owners"] == ((1,) * 8, (2,) * 8), res
+    assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(7)) <= 1e-5, res

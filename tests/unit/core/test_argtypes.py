@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from steptune.core.argtypes import non_negative_float, positive_float, positive_int
+from steptune.core.argtypes import non_negative_float, output_dir, output_file, positive_float, positive_int
 
 
 def test_accepted_values():
@@ -27,3 +27,16 @@ def test_accepted_values():
 def test_refusals_say_what_is_needed(convert, text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message):
         convert(text)
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert output_file(str(tmp_path / "new" / "deeper" / "x.json")) == tmp_path / "new" / "deeper" / "x.json"
+    assert output_dir(str(tmp_path / "new")) == tmp_path / "new"
+    with pytest.raises(argparse.ArgumentTypeError, match="is a directory; give a file path inside it"):
+        output_file(str(tmp_path))
+    with pytest.raises(argparse.ArgumentTypeError, match="afile is a file, not a folder"):
+        output_file(str(afile / "x.json"))
+    with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
+        output_dir(str(afile))
