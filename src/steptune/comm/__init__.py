@@ -8,12 +8,21 @@ constants cited in ``constants``), exact byte counts checked against the gloo me
 ``benchmarks/gpu/comm.py`` + ``calibrate`` to fit the model on one GPU.
 """
 
-from steptune.comm.accounting import CommMeter
-from steptune.comm.ag import all_gather_into
-from steptune.comm.config import TideConfig, TideFallbackWarning
-from steptune.comm.fsdp import TideHandle, enable_tide, measure
-from steptune.comm.layout import GroupLayout, ParamSpec
-from steptune.comm.rs import reduce_scatter_into
+from steptune._lazy import lazy_exports
+
+# Loaded on first use (steptune._lazy): `steptune --help` and other areas' verbs need none of it.
+_EXPORTS = {
+    "CommMeter": "steptune.comm.accounting",
+    "all_gather_into": "steptune.comm.ag",
+    "TideConfig": "steptune.comm.config",
+    "TideFallbackWarning": "steptune.comm.config",
+    "TideHandle": "steptune.comm.fsdp",
+    "enable_tide": "steptune.comm.fsdp",
+    "measure": "steptune.comm.fsdp",
+    "GroupLayout": "steptune.comm.layout",
+    "ParamSpec": "steptune.comm.layout",
+    "reduce_scatter_into": "steptune.comm.rs",
+}
 
 __all__ = [
     "CommMeter",
@@ -27,3 +36,5 @@ __all__ = [
     "measure",
     "reduce_scatter_into",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -6,9 +6,20 @@ OpenAI-compatible streaming client and a trace-replay server (`steptune.kernels.
 Not built yet (issue #12): the speculative orchestrator, elastic allocation, KV tier and simulator.
 """
 
-from steptune.kernels.checks import Finding, static_check
-from steptune.kernels.pool import VERDICTS, EvalPool, PoolConfig, Result
-from steptune.kernels.problems import Problem, builtin_problems, load_problem
+from steptune._lazy import lazy_exports
+
+# Loaded on first use (steptune._lazy): `steptune --help` and other areas' verbs need none of it.
+_EXPORTS = {
+    "Finding": "steptune.kernels.checks",
+    "static_check": "steptune.kernels.checks",
+    "VERDICTS": "steptune.kernels.pool",
+    "EvalPool": "steptune.kernels.pool",
+    "PoolConfig": "steptune.kernels.pool",
+    "Result": "steptune.kernels.pool",
+    "Problem": "steptune.kernels.problems",
+    "builtin_problems": "steptune.kernels.problems",
+    "load_problem": "steptune.kernels.problems",
+}
 
 __all__ = [
     "VERDICTS",
@@ -21,3 +32,5 @@ __all__ = [
     "load_problem",
     "static_check",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -24,20 +24,22 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads where a tolerance is asked for: the CLI's help does not need it
+    import torch
 
 __all__ = ["Problem", "builtin_problems", "import_source", "load_problem", "tolerance"]
 
 BUILTIN_DIR = Path(__file__).with_name("builtin_problems")
 
 # fp32 1e-4 and fp16/bf16 1e-2 follow KernelBench's get_tolerance_for_precision.
-_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-7, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+_TOLERANCE = {"float32": 1e-4, "float64": 1e-7, "float16": 1e-2, "bfloat16": 1e-2}
 
 
 def tolerance(dtype: torch.dtype) -> float:
     """Default atol = rtol for an output dtype; exact for integer and bool outputs."""
-    return _TOLERANCE.get(dtype, 0.0)
+    return _TOLERANCE.get(str(dtype).removeprefix("torch."), 0.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

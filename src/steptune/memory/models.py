@@ -7,10 +7,11 @@ Qwen3-MoE's top-k router and expert loop) at widths a 2-core CPU can step in sec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch loads on first use: the CLI lists these presets without importing it
+    import torch
+    from torch import nn
 
 __all__ = ["MODEL_PRESETS", "ModelPreset", "build_model", "make_batch"]
 
@@ -68,10 +69,11 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
 }
 
 
-def build_model(
-    name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
-) -> nn.Module:
-    """An HF causal LM from a preset (random weights, SDPA attention, no KV cache, no dropout)."""
+def build_model(name: str, *, seed: int = 0, dtype: torch.dtype | None = None, **overrides: Any) -> nn.Module:
+    """An HF causal LM from a preset (random weights, SDPA attention, no KV cache, no dropout;
+    float32 unless ``dtype``)."""
+    import torch
+
     try:
         preset = MODEL_PRESETS[name]
     except KeyError:
@@ -82,7 +84,7 @@ def build_model(
     config._attn_implementation = "sdpa"
     config.use_cache = False
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    model = AutoModelForCausalLM.from_config(config).to(dtype or torch.float32)
     model.train()
     return model
 
@@ -90,6 +92,8 @@ def build_model(
 def make_batch(
     name: str, *, seed: int = 1, batch: int | None = None, seq: int | None = None
 ) -> dict[str, torch.Tensor]:
+    import torch
+
     preset = MODEL_PRESETS[name]
     vocab = int(preset.config["vocab_size"])
     g = torch.Generator().manual_seed(seed)

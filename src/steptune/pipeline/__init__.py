@@ -7,20 +7,33 @@ placement and schedule for heterogeneous models.
     best = tune(layers, TuneConfig(num_devices=4, num_microbatches=16)).best
 """
 
-from steptune.pipeline.anchors import ANCHORS, anchor
-from steptune.pipeline.costs import (
-    LayerCosts,
-    StageCosts,
-    balanced_partition,
-    layer_costs,
-    split_layer,
-    stage_costs,
-    uniform_partition,
-)
-from steptune.pipeline.listsched import ListPolicy, list_schedule
-from steptune.pipeline.schedule import Action, ActionKind, Schedule, ScheduleError
-from steptune.pipeline.simulate import Bubble, SimResult, simulate
-from steptune.pipeline.tune import Candidate, TuneConfig, TuneResult, tune
+from steptune._lazy import lazy_exports
+
+# Loaded on first use (steptune._lazy): `steptune --help` and other areas' verbs need none of it.
+_EXPORTS = {
+    "ANCHORS": "steptune.pipeline.anchors",
+    "anchor": "steptune.pipeline.anchors",
+    "LayerCosts": "steptune.pipeline.costs",
+    "StageCosts": "steptune.pipeline.costs",
+    "balanced_partition": "steptune.pipeline.costs",
+    "layer_costs": "steptune.pipeline.costs",
+    "split_layer": "steptune.pipeline.costs",
+    "stage_costs": "steptune.pipeline.costs",
+    "uniform_partition": "steptune.pipeline.costs",
+    "ListPolicy": "steptune.pipeline.listsched",
+    "list_schedule": "steptune.pipeline.listsched",
+    "Action": "steptune.pipeline.schedule",
+    "ActionKind": "steptune.pipeline.schedule",
+    "Schedule": "steptune.pipeline.schedule",
+    "ScheduleError": "steptune.pipeline.schedule",
+    "Bubble": "steptune.pipeline.simulate",
+    "SimResult": "steptune.pipeline.simulate",
+    "simulate": "steptune.pipeline.simulate",
+    "Candidate": "steptune.pipeline.tune",
+    "TuneConfig": "steptune.pipeline.tune",
+    "TuneResult": "steptune.pipeline.tune",
+    "tune": "steptune.pipeline.tune",
+}
 
 __all__ = [
     "ANCHORS",
@@ -46,3 +59,5 @@ __all__ = [
     "tune",
     "uniform_partition",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -10,19 +10,28 @@ runs (``livesim``). Slow links: injected, detected and localized live in the DP 
 not in the simulator).
 """
 
-from steptune.resilience.detect import (
-    Alarm,
-    ChangePointDetector,
-    FixedThresholdDetector,
-    HeartbeatMonitor,
-    ResiHPConfig,
-    ResiHPDetector,
-)
-from steptune.resilience.plan import ClusterState, ExecutionPlan
-from steptune.resilience.predict import PredictorConfig, WorkloadPredictor
-from steptune.resilience.progressive import progressive_replan
-from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
-from steptune.resilience.workload import LENGTH_PRESETS, LengthDist, StageModel
+from steptune._lazy import lazy_exports
+
+# Loaded on first use (steptune._lazy): `steptune --help` and other areas' verbs need none of it.
+_EXPORTS = {
+    "Alarm": "steptune.resilience.detect",
+    "ChangePointDetector": "steptune.resilience.detect",
+    "FixedThresholdDetector": "steptune.resilience.detect",
+    "HeartbeatMonitor": "steptune.resilience.detect",
+    "ResiHPConfig": "steptune.resilience.detect",
+    "ResiHPDetector": "steptune.resilience.detect",
+    "ClusterState": "steptune.resilience.plan",
+    "ExecutionPlan": "steptune.resilience.plan",
+    "PredictorConfig": "steptune.resilience.predict",
+    "WorkloadPredictor": "steptune.resilience.predict",
+    "progressive_replan": "steptune.resilience.progressive",
+    "Runtime": "steptune.resilience.runtime",
+    "RuntimeConfig": "steptune.resilience.runtime",
+    "SlowFault": "steptune.resilience.runtime",
+    "LENGTH_PRESETS": "steptune.resilience.workload",
+    "LengthDist": "steptune.resilience.workload",
+    "StageModel": "steptune.resilience.workload",
+}
 
 __all__ = [
     "LENGTH_PRESETS",
@@ -43,3 +52,5 @@ __all__ = [
     "WorkloadPredictor",
     "progressive_replan",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
