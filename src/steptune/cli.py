@@ -31,16 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    name = " ".join(str(x) for x in (args.command, getattr(args, "verb", None)) if x)
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:  # user mistakes carry a message that says what to change
-        print(f"steptune {args.command}: error: {exc}", file=sys.stderr)
+        print(f"steptune {name}: error: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:  # a path on the command line that is not there
         what = f"no such file: {exc.filename}" if exc.filename else str(exc)
-        print(f"steptune {args.command}: error: {what}", file=sys.stderr)
+        print(f"steptune {name}: error: {what}", file=sys.stderr)
         return 2
     except OSError as exc:  # output paths are checked at parse time; this is what slipped past that
         where = f" {exc.filename}" if exc.filename else ""
-        print(f"steptune {args.command}: error: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"steptune {name}: error: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # child processes are cleaned up by their pools' context managers
+        print(f"steptune {name}: interrupted", file=sys.stderr)
+        return 130

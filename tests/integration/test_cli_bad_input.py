@@ -35,6 +35,7 @@ def _refused(argv, capsys):
         (["memory", "plan", "--model", "llama-tiny", "--limit", "inf"], "positive and finite"),
         (["memory", "plan", "--model", "llama-tiny", "--limit", "0.5", "--seq", "-4"], "must be >= 1"),
         (["kernels", "eval", "--problem", "relu", "--candidate", "x.py", "--rounds", "0"], "must be >= 1"),
+        (["kernels", "bench", "--problems", "relu"], "no fast and slow C examples to compare; choose from"),
         (["pipeline", "tune", "--model", "gemma-2b", "--devices", "30", "--microbatches", "8",
           "--time-budget", "1"], "use fewer devices"),
     ],

@@ -43,9 +43,16 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Profile every fast/slow example `repeats` times; returns the JSON-able report."""
-    names = problems or example_pairs()
+    pairs = example_pairs()
+    names = problems or pairs
     if not names:
         raise ValueError("no built-in problem has both examples/<problem>/c_fast.py and c_slow.py")
+    missing = [n for n in names if n not in pairs]
+    if missing:
+        raise ValueError(
+            f"--problems {' '.join(missing)}: no fast and slow C examples to compare; choose from "
+            f"{', '.join(pairs)}"
+        )
     cfg = config or PoolConfig(num_workers=2, timeout_s=120)
     t0 = time.perf_counter()
     rows = []

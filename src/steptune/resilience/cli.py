@@ -74,12 +74,12 @@ def _simulate(args: argparse.Namespace) -> int:
         try:
             failures = read_csv(Path(args.scenario), num_devices=job.num_devices)
         except ValueError as e:
-            print(f"steptune resilience simulate: {e}", file=sys.stderr)
+            print(f"steptune resilience simulate: error: {e}", file=sys.stderr)
             return 2
     else:
         print(
-            f"steptune resilience simulate: --scenario {args.scenario!r} is neither a CSV file nor one of "
-            f"{', '.join(KINDS)}",
+            f"steptune resilience simulate: error: --scenario {args.scenario!r} is neither a CSV file nor "
+            f"one of {', '.join(KINDS)}",
             file=sys.stderr,
         )
         return 2
@@ -92,7 +92,7 @@ def _simulate(args: argparse.Namespace) -> int:
         )
     if not job.comm and any(f.target == "link" for f in failures):
         print(
-            "steptune resilience simulate: the scenario has link fail-slows; drop --free-comm so that "
+            "steptune resilience simulate: error: the scenario has link fail-slows; drop --free-comm so that "
             "communication is priced",
             file=sys.stderr,
         )
@@ -102,7 +102,7 @@ def _simulate(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in makers]
     if unknown:
         print(
-            f"steptune resilience simulate: unknown policy {unknown[0]!r}; choose all or one of "
+            f"steptune resilience simulate: error: unknown policy {unknown[0]!r}; choose all or one of "
             f"{', '.join(POLICIES)}",
             file=sys.stderr,
         )
