@@ -330,6 +330,13 @@ def _run(args: argparse.Namespace) -> int:
     faults = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow"]
     if links and pp * tp > 1:
         raise ValueError("--inject slow-link is built for the DP layout only (its gradient all-reduce)")
+    if links and args.ranks_per_node is None:
+        print(
+            "steptune resilience run: warning: every rank is on one node, so the gradient all-reduce runs "
+            "over the node's own links and a slow link barely shows; add --ranks-per-node 1 to put it on "
+            "the network",
+            file=sys.stderr,
+        )
     spec: dict[str, Any] = {
         "steps": args.steps,
         "faults": faults,
