@@ -41,9 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         what = f"no such file: {exc.filename}" if exc.filename else str(exc)
         print(f"steptune {name}: error: {what}", file=sys.stderr)
         return 2
-    except OSError as exc:  # output paths are checked at parse time; this is what slipped past that
-        where = f" {exc.filename}" if exc.filename else ""
-        print(f"steptune {name}: error: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
+    except OSError as exc:  # a path that slipped past the parse-time checks; timeouts are not usage errors
+        if exc.filename is None or isinstance(exc, (TimeoutError, ConnectionError)):
+            raise
+        print(f"steptune {name}: error: cannot use {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # child processes are cleaned up by their pools' context managers
         print(f"steptune {name}: interrupted", file=sys.stderr)

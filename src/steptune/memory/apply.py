@@ -261,10 +261,10 @@ def _inner_checkpoint_message(name: str, how: str) -> str:
             "producers where later values need them)"
         )
     return (
-        f"TapeSAC block {name!r} runs {how} inside its forward. Gradients are exact, but the "
-        "checkpointed region is recomputed twice in backward: once by TapeSAC's replay, for the "
-        "values computed from the region's outputs, and once by torch's checkpoint. TapeSAC already "
-        "recomputes the whole block: remove the checkpoint call inside it"
+        f"TapeSAC block {name!r} runs {how} inside its forward. The checkpointed region is "
+        "recomputed twice in backward: once by TapeSAC's replay, for the values computed from the "
+        "region's outputs, and once by torch's checkpoint. TapeSAC already recomputes the whole "
+        "block: remove the checkpoint call inside it"
     )
 
 

@@ -63,7 +63,7 @@ def _plan(args: argparse.Namespace) -> int:
             f"--limit must be positive and finite (bytes, e.g. 300MiB, or a fraction in (0, 1]); got "
             f"{args.limit}"
         )
-    if 1 < value < 1024:
+    if 1 < value < 1024 and args.limit.strip()[-1:].isdigit():
         raise ValueError(
             f"--limit {args.limit}: a fraction must lie in (0, 1]; for bytes give a unit (e.g. 300MiB)"
         )

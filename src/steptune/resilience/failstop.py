@@ -122,7 +122,7 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
                 opt.load_state_dict(snapshots[resume][1])
                 step = resume
                 losses = {k: v for k, v in losses.items() if k < resume}
-    out.put((orig, {k: losses[k] for k in sorted(losses)}, {}))
+    out.put((orig, {k: losses[k] for k in sorted(losses)}, {"generation": gen}))
 
 
 def doomed(spec: dict[str, Any], orig: int, step: int) -> bool:
@@ -144,7 +144,8 @@ def rejoin(
     announces itself, or breaks the new group; the launcher then lists the survivors again as generation
     ``gen + 1`` and this rank joins that one. Returns (members by original rank, new group, resume step,
     generation). ``die``: SIGKILL this rank first (fault injection: a death during recovery)."""
-    if die:
+    if die:  # once the launcher has listed this rank among the survivors: the others must supersede it
+        store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
         os.kill(os.getpid(), signal.SIGKILL)
     while True:
         broken = False
@@ -202,16 +203,29 @@ def _listed(store: Any, orig: int, gen: int, step: int, timeout: datetime.timede
         members: list[int] = json.loads(store.get(f"members/{gen}").decode())
         # Every listed member announces itself before anyone builds the group: one that died since the
         # list was written never does, and the launcher's next list supersedes this one within its poll.
+        # Whether this generation forms or is superseded is one decision, the first rank's, kept in the
+        # store: survivors that look at different moments must not split across generations.
         announced = [f"alive/{gen}/{m}" for m in members]
-        deadline = time.monotonic() + timeout.total_seconds()
-        while not store.check(announced):
-            if store.check([f"members/{gen + 1}"]):
+        fate_key = f"fate/{gen}"
+        # Peers may reach this generation one group timeout late (a group that failed to form before).
+        wait_s = 2 * timeout.total_seconds() + 10
+        deadline = time.monotonic() + wait_s
+        while True:
+            if store.check(announced):
+                fate = store.compare_set(fate_key, "", "form")
+            elif store.check([f"members/{gen + 1}"]):
+                fate = store.compare_set(fate_key, "", "superseded")
+            else:
+                fate = store.get(fate_key) if store.check([fate_key]) else b""
+            if fate == b"superseded":
                 raise _Superseded
+            if fate == b"form":
+                break
             if time.monotonic() > deadline:
                 missing = [m for m in members if not store.check([f"alive/{gen}/{m}"])]
                 raise TimeoutError(
                     f"rank {orig}: survivors {missing} of generation {gen} did not rejoin within "
-                    f"{timeout.total_seconds():.0f} s, and the launcher reported no further death"
+                    f"{wait_s:.0f} s, and the launcher reported no further death"
                 )
             time.sleep(0.005)
     except (TimeoutError, _Superseded):

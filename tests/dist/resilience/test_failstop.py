@@ -28,13 +28,14 @@ def test_dp_survivors_continue_in_place_and_match_the_failure_free_run():
 
 
 def test_a_second_death_during_recovery_is_survived_too():
-    # Rank 1 dies in step 3; rank 2 dies as it starts to rejoin, after the launcher has listed it among the
-    # survivors: ranks 0 and 3 wait for its announcement until the launcher's next list supersedes it.
+    # Rank 1 dies in step 3; rank 2 dies as it rejoins, once the launcher has listed it among the survivors
+    # (generation 1): ranks 0 and 3 wait for its announcement until the launcher's next list supersedes it.
     spec = {"ranks": 4, "steps": 6, "seed": 0, "kill_rank": 1, "kill_step": 3, "recovery_kills": [[2, 1]],
             "time_scale": 0.005, "mode": "survive", "timeout_s": 120}  # fmt: skip
     res = run_failstop(spec)
     ref = reference_losses(spec, proxy_model(0))
     assert res["survivors"] == [0, 3], res
+    assert res["info"]["generation"] == 2, res  # generation 1 listed rank 2 and was superseded
     assert sorted(res["losses"]) == list(range(6)), res
     assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(6)) <= 1e-5, res
 
