@@ -97,3 +97,17 @@ def test_kernels_eval_on_cuda_without_a_gpu_is_a_usage_error(tmp_path, capsys):
     rc, err = _refused(["kernels", "eval", "--problem", "relu", "--candidate", str(cand), "--device", "cuda"],
                        capsys)  # fmt: skip
     assert rc == 2 and "sees no CUDA device" in err, err
+
+
+def test_pipeline_schedules_of_the_wrong_shape_are_named(tmp_path, capsys):
+    for content, message in (
+        (b"[1, 2]", "schedule JSON must be an object, got a list"),
+        (b'{"name": "x", "num_stages": "eight", "num_microbatches": 2, "placement": [0], "orders": [[]]}',
+         "num_stages must be a whole number"),
+        (b"\x89PNG\r\n\x1a\n\xff\xfe", "not a text file"),
+    ):  # fmt: skip
+        path = tmp_path / "schedule.json"
+        path.write_bytes(content)
+        argv = ["pipeline", "simulate", "--schedule", str(path), "--out", str(tmp_path / "o")]
+        rc, err = _refused(argv, capsys)
+        assert rc == 2 and message in err, (content, err)

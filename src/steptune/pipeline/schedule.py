@@ -175,6 +175,12 @@ class Schedule:
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> Schedule:
+        if not isinstance(data, dict):
+            raise ScheduleError(f"schedule JSON must be an object, got a {type(data).__name__}")
+        for key in ("num_stages", "num_microbatches"):
+            value = data.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ScheduleError(f"schedule JSON field {key} must be a whole number, got {value!r}")
         try:
             return Schedule(
                 name=data["name"],
@@ -198,7 +204,10 @@ class Schedule:
     @staticmethod
     def load(path: str | Path) -> Schedule:
         path = Path(path)
-        text = path.read_text()
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError as exc:
+            raise ScheduleError(f"{path}: not a text file ({exc.reason} at byte {exc.start})") from None
         if path.suffix == ".csv":
             return Schedule.from_csv(text, name=path.stem)
         try:
