@@ -230,9 +230,9 @@ def _run_block(
     recorder.pack_fn = pack
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook), recorder.opaque_functions(), recorder:
         out = forward(*args, **kwargs)
-    if recorder.inner_checkpoint is not None and not state.warned_inner:
+    if (recorder.inner_checkpoint or recorder.inner_hooks) and not state.warned_inner:
         state.warned_inner = True
-        warnings.warn(_inner_checkpoint_message(name, recorder.inner_checkpoint), stacklevel=3)
+        warnings.warn(_inner_hooks_message(name, recorder), stacklevel=3)
     tape = recorder.tape()
     _mark_readers_of_written_externals(tape)
     stats.recorded += 1
@@ -253,18 +253,18 @@ def _run_block(
     return out
 
 
-def _inner_checkpoint_message(name: str, how: str) -> str:
-    if not how.startswith("torch's"):
+def _inner_hooks_message(name: str, recorder: Recorder) -> str:
+    if recorder.inner_checkpoint is None:
         return (
-            f"TapeSAC block {name!r} runs {how} inside its forward: the values autograd saves under "
-            "them go to those hooks, not to TapeSAC (results are exact; TapeSAC still replays their "
-            "producers where later values need them)"
+            f"TapeSAC block {name!r} runs saved-tensor hooks of its own ({recorder.inner_hooks}) inside "
+            "its forward: the values autograd saves under them go to those hooks, not to TapeSAC "
+            "(results are exact; TapeSAC still replays their producers where later values need them)"
         )
     return (
-        f"TapeSAC block {name!r} runs {how} inside its forward. The checkpointed region is "
-        "recomputed twice in backward: once by TapeSAC's replay, for the values computed from the "
-        "region's outputs, and once by torch's checkpoint. TapeSAC already recomputes the whole "
-        "block: remove the checkpoint call inside it"
+        f"TapeSAC block {name!r} runs torch's {recorder.inner_checkpoint} checkpoint inside its forward. "
+        "The checkpointed region is recomputed twice in backward: once by TapeSAC's replay, for the "
+        "values computed from the region's outputs, and once by torch's checkpoint. TapeSAC already "
+        "recomputes the whole block: remove the checkpoint call inside it"
     )
 
 

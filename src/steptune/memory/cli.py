@@ -33,19 +33,25 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _parse_limit(text: str) -> float:
+    """Bytes (with a unit, or a whole number >= 1024) or a fraction in (0, 1]; ValueError otherwise."""
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
     upper = text.strip().upper()
-    scale, number = 1.0, upper
-    for unit, size in units.items():
-        if upper.endswith(unit):
-            scale, number = size, upper[: -len(unit)]
-            break
+    unit = next((u for u in units if upper.endswith(u)), None)
     try:
-        return float(number) * scale
+        value = float(upper[: -len(unit)] if unit else upper) * (units[unit] if unit else 1.0)
     except ValueError:
         raise ValueError(
             f"--limit {text!r}: write bytes (300MiB, 2GiB, 123456789) or a fraction in (0, 1]"
         ) from None
+    if not 0 < value < math.inf:
+        raise ValueError(
+            f"--limit must be positive and finite (bytes, e.g. 300MiB, or a fraction in (0, 1]); got {text}"
+        )
+    if unit is None and 1 < value < 1024:
+        raise ValueError(
+            f"--limit {text}: a fraction must lie in (0, 1]; for bytes give a unit (e.g. 300MiB)"
+        )
+    return value
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -58,15 +64,6 @@ def _plan(args: argparse.Namespace) -> int:
     if args.model not in MODEL_PRESETS:
         raise ValueError(f"unknown --model {args.model!r}; choose one of {sorted(MODEL_PRESETS)}")
     value = _parse_limit(args.limit)
-    if not 0 < value < math.inf:
-        raise ValueError(
-            f"--limit must be positive and finite (bytes, e.g. 300MiB, or a fraction in (0, 1]); got "
-            f"{args.limit}"
-        )
-    if 1 < value < 1024 and args.limit.strip()[-1:].isdigit():
-        raise ValueError(
-            f"--limit {args.limit}: a fraction must lie in (0, 1]; for bytes give a unit (e.g. 300MiB)"
-        )
     model = build_model(args.model)
     batch = make_batch(args.model, batch=args.batch, seq=args.seq)
     profiles = single_thread(profile_model, model, batch)

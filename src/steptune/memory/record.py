@@ -134,7 +134,9 @@ class Recorder(TorchDispatchMode):
         """The pack hook this recording installed; another one on top means the block runs
         saved-tensor hooks of its own (torch's non-reentrant checkpoint, ``save_on_cpu``)."""
         self.inner_checkpoint: str | None = None
-        """How the block checkpoints inside its own forward, if it does (for the warning)."""
+        """Which torch checkpoint the block calls inside its own forward, if any (for the warning)."""
+        self.inner_hooks: str | None = None
+        """Other saved-tensor hooks the block pushes itself (``save_on_cpu``): their qualname."""
 
     # ----- storage groups and slots -------------------------------------------------------
     def _group(self, t: torch.Tensor, create: bool) -> int | None:
@@ -194,10 +196,14 @@ class Recorder(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         start = time.perf_counter()
-        if self.pack_fn is not None and self.inner_checkpoint is None:
+        if self.pack_fn is not None and self.inner_checkpoint is None and self.inner_hooks is None:
             top = torch._C._autograd._top_saved_tensors_default_hooks(True)
             if top is not None and top[0] is not self.pack_fn:
-                self.inner_checkpoint = _hooks_owner(top[0])
+                qualname = getattr(top[0], "__qualname__", type(top[0]).__name__)
+                if qualname.startswith("_checkpoint_hook."):
+                    self.inner_checkpoint = "non-reentrant"
+                else:
+                    self.inner_hooks = qualname
         flat, spec = tree_flatten((args, kwargs))
         reads: list[ValueKey] = []
         template: list[Any] = []
@@ -353,13 +359,6 @@ class Recorder(TorchDispatchMode):
         self.captured[(sid, version)] = t
 
 
-def _hooks_owner(pack: Any) -> str:
-    qualname = getattr(pack, "__qualname__", type(pack).__name__)
-    if qualname.startswith("_checkpoint_hook."):
-        return "torch's non-reentrant checkpoint"
-    return f"saved-tensor hooks of its own ({qualname})"
-
-
 _local = threading.local()
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -381,7 +380,7 @@ def _patched_apply(fn_cls: Any, *args: Any, **kwargs: Any) -> Any:
     if fn_cls is CheckpointFunction and not recorder._opaque_depth:
         # torch's reentrant checkpoint runs its function under no_grad through the dispatcher: the
         # ops inside are recorded like any others (a custom Function nested in it stays opaque).
-        recorder.inner_checkpoint = "torch's reentrant checkpoint"
+        recorder.inner_checkpoint = "reentrant"
         return _original_apply.__func__(fn_cls, *args, **kwargs)
     recorder._opaque_depth += 1
     try:

@@ -42,7 +42,7 @@ from steptune.resilience.live import global_batch, microbatch_loss, proxy_model,
 from steptune.resilience.runtime import lpt_assign
 from steptune.resilience.workload import StageModel
 
-__all__ = ["commit", "compare_failstop", "doomed", "rejoin", "run_failstop"]
+__all__ = ["commit", "compare_failstop", "doomed", "injected", "rejoin", "run_failstop"]
 
 
 def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, seed: int, step: int,
@@ -115,7 +115,7 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
             opt.zero_grad()
             gen += 1
             members, group, resume, gen = rejoin(
-                store, orig, gen, step, timeout, die=[orig, gen] in spec.get("recovery_kills", [])
+                store, orig, gen, step, timeout, die=injected(spec, "recovery_kills", orig, gen)
             )
             if resume != step:  # got further than a peer: back to the common safe point
                 model.load_state_dict(snapshots[resume][0])
@@ -135,6 +135,12 @@ def doomed(spec: dict[str, Any], orig: int, step: int) -> bool:
     return (orig, step) in kills
 
 
+def injected(spec: dict[str, Any], what: str, orig: int, gen: int) -> bool:
+    """Whether ``spec[what]`` ([[rank, generation], ...]) kills rank ``orig`` during the recovery to
+    generation ``gen``: ``recovery_kills`` as it rejoins, ``copy_kills`` as it copies state (PP, TP)."""
+    return [orig, gen] in spec.get(what, [])
+
+
 def rejoin(
     store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta, *, die: bool = False
 ) -> tuple[list[int], Any, int, int]:
@@ -148,16 +154,12 @@ def rejoin(
         store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
         os.kill(os.getpid(), signal.SIGKILL)
     while True:
-        broken = False
         try:
             members, group, resume = _join(store, orig, gen, step, timeout)
             return members, group, resume, gen
-        except _Superseded:
+        except (_Superseded, RuntimeError):  # RuntimeError: a member died after announcing itself
             pass
-        except RuntimeError:
-            broken = True  # the new group broke: a member died after announcing itself
-        if broken:  # outside the except block, whose traceback holds the group: its sockets must close
-            gc.collect()
+        gc.collect()  # outside the except block, whose traceback holds a broken group: its sockets close
         gen += 1
 
 

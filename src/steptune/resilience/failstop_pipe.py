@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
-from steptune.resilience.failstop import commit, compare_failstop, doomed, rejoin, run_failstop
+from steptune.resilience.failstop import commit, compare_failstop, doomed, injected, rejoin, run_failstop
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model, sum_and_step
 from steptune.resilience.pipelined import _BYTES_PER_PARAM, _layers, _Stage, run_stage
 from steptune.resilience.planners import plan_dp
@@ -224,7 +224,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
             opt.zero_grad()
             gen += 1
             members, group, resume, gen = rejoin(
-                store, orig, gen, step, timeout, die=[orig, gen] in spec.get("recovery_kills", [])
+                store, orig, gen, step, timeout, die=injected(spec, "recovery_kills", orig, gen)
             )
             me.group, me.rank = group, members.index(orig)
             if resume != step:  # got further than a peer: back to the common safe point
@@ -246,7 +246,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
                 info["recoveries"].append({"from": "checkpoint", "step": step, "pipes": pipes})
                 break
             try:
-                if [orig, gen] in spec.get("copy_kills", []):
+                if injected(spec, "copy_kills", orig, gen):
                     os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a death during the copy
                 me.move([(i, members.index(s), members.index(d)) for i, s, d in moves], keep_sent=True)
                 commit(group)

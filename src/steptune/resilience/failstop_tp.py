@@ -30,7 +30,7 @@ import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.pipeline.stages import lm_loss
-from steptune.resilience.failstop import commit, compare_failstop, doomed, rejoin
+from steptune.resilience.failstop import commit, compare_failstop, doomed, injected, rejoin
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model
 from steptune.resilience.planners import plan_dp
 from steptune.resilience.tensorpar import (
@@ -129,7 +129,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             opt.zero_grad()
             gen += 1
             members_, group, resume, gen = rejoin(
-                store, orig, gen, step, timeout, die=[orig, gen] in spec.get("recovery_kills", [])
+                store, orig, gen, step, timeout, die=injected(spec, "recovery_kills", orig, gen)
             )
             if resume != step:  # got further than a peer: back to the common safe point
                 step, model_state, opt_state = snapshot
@@ -142,7 +142,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             rank = members_.index(orig)
             holder.group, holder.rank = group, rank
             try:
-                if [orig, gen] in spec.get("copy_kills", []):
+                if injected(spec, "copy_kills", orig, gen):
                     os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a death during the copy
                 holder.transfer([(u, members_.index(s), members_.index(d)) for u, s, d in moves])
                 commit(group)
