@@ -12,7 +12,8 @@ so the update does not depend on how many ranks share the batch, and the loss tr
 failure-free run up to fp32 summation order.
 
 In DP every rank holds the full model and optimizer state, so nothing has to be copied from peers. PP and
-TP (a stage's only copy lost) need state from DP peers or a checkpoint; neither is built.
+TP (a stage's only copy in its replica lost) copy it from DP peers (``failstop_pipe``, ``failstop_tp``),
+ending the copy with ``commit``; the checkpoint is the fallback.
 
 The baseline kills every rank when one dies, as torchrun does, then starts ``N - 1`` fresh processes from
 the last checkpoint (written every ``checkpoint_every`` steps) and redoes the steps since then.
@@ -31,7 +32,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,17 @@ from steptune.resilience.live import global_batch, microbatch_loss, proxy_model,
 from steptune.resilience.runtime import lpt_assign
 from steptune.resilience.workload import StageModel
 
-__all__ = ["commit", "compare_failstop", "doomed", "injected", "rejoin", "run_failstop"]
+__all__ = [
+    "CommitFailed",
+    "Rejoined",
+    "adopt_pending",
+    "commit",
+    "compare_failstop",
+    "doomed",
+    "injected",
+    "rejoin",
+    "run_failstop",
+]
 
 
 def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, seed: int, step: int,
@@ -114,7 +125,7 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
             gc.collect()
             opt.zero_grad()
             gen += 1
-            members, group, resume, gen = rejoin(
+            members, group, resume, gen, _ = rejoin(
                 store, orig, gen, step, timeout, die=injected(spec, "recovery_kills", orig, gen)
             )
             if resume != step:  # got further than a peer: back to the common safe point
@@ -137,37 +148,83 @@ def doomed(spec: dict[str, Any], orig: int, step: int) -> bool:
 
 def injected(spec: dict[str, Any], what: str, orig: int, gen: int) -> bool:
     """Whether ``spec[what]`` ([[rank, generation], ...]) kills rank ``orig`` during the recovery to
-    generation ``gen``: ``recovery_kills`` as it rejoins, ``copy_kills`` as it copies state (PP, TP)."""
+    generation ``gen``: ``recovery_kills`` as it rejoins, ``copy_kills`` as it copies state (PP, TP),
+    ``commit_kills`` and ``commit_misses`` in the commit that ends the copy (see ``commit``)."""
     return [orig, gen] in spec.get(what, [])
 
 
+class Rejoined(NamedTuple):
+    """What the survivors agreed on in ``rejoin``."""
+
+    members: list[int]  # by original rank, in group-rank order
+    group: Any
+    resume: int  # the step to resume from: the lowest one any survivor was at
+    generation: int
+    epoch: int  # the highest layout epoch any survivor committed (see ``commit``)
+
+
 def rejoin(
-    store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta, *, die: bool = False
-) -> tuple[list[int], Any, int, int]:
+    store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta, *, epoch: int = 0,
+    die: bool = False,
+) -> Rejoined:  # fmt: skip
     """After a failed collective: announce this rank alive for generation ``gen``, wait for the launcher's
     member list, build the survivors' group and agree on the step to resume from (the lowest one any
-    survivor was at). A member that dies during this (a second failure in the recovery window) never
-    announces itself, or breaks the new group; the launcher then lists the survivors again as generation
-    ``gen + 1`` and this rank joins that one. Returns (members by original rank, new group, resume step,
-    generation). ``die``: SIGKILL this rank first (fault injection: a death during recovery)."""
+    survivor was at) and on the layout epoch (the highest one any survivor committed: ``epoch`` is this
+    rank's count of committed state copies). A member that dies during this (a second failure in the
+    recovery window) never announces itself, or breaks the new group; the launcher then lists the survivors
+    again as generation ``gen + 1`` and this rank joins that one. ``die``: SIGKILL this rank first (fault
+    injection: a death during recovery)."""
     if die:  # once the launcher has listed this rank among the survivors: the others must supersede it
         store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
         os.kill(os.getpid(), signal.SIGKILL)
     while True:
         try:
-            members, group, resume = _join(store, orig, gen, step, timeout)
-            return members, group, resume, gen
+            members, group, resume, agreed = _join(store, orig, gen, step, epoch, timeout)
+            return Rejoined(members, group, resume, gen, agreed)
         except (_Superseded, RuntimeError):  # RuntimeError: a member died after announcing itself
             pass
         gc.collect()  # outside the except block, whose traceback holds a broken group: its sockets close
         gen += 1
 
 
-def commit(group: Any) -> None:
+class CommitFailed(RuntimeError):
+    """``commit``'s all-reduce failed on this rank (not the copy before it)."""
+
+
+def commit(group: Any, spec: dict[str, Any] | None = None, orig: int = -1, gen: int = -1) -> None:
     """End of a recovery's state copy: an all-reduce every survivor must reach. If one died during the
     copy it raises on every rank, so all of them keep the old layout and rejoin again, instead of some
-    switching to a layout whose copies never arrived."""
-    group.allreduce([torch.zeros(1)]).wait()
+    switching to a layout whose copies never arrived.
+
+    A death inside the all-reduce itself can let it complete on some ranks and fail on others. Completing
+    on one rank proves that every rank contributed, that is, finished its part of the copy, so the new
+    layout is whole on every survivor. A rank whose commit failed (``CommitFailed``) therefore keeps the
+    copied state as pending, and the next ``rejoin`` (whose epoch is the highest any survivor committed)
+    tells it whether to adopt it (``adopt_pending``). Fault injection (``spec``, rank ``orig``, recovery
+    generation ``gen``): ``commit_kills`` die once their commit completed, ``commit_misses`` see theirs
+    fail although it completed; together they are the split outcome of a death inside the all-reduce."""
+    try:
+        group.allreduce([torch.zeros(1)]).wait()
+    except RuntimeError as err:
+        raise CommitFailed(str(err)) from err
+    if spec is not None and injected(spec, "commit_kills", orig, gen):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if spec is not None and injected(spec, "commit_misses", orig, gen):
+        raise CommitFailed(f"rank {orig}: injected: the commit of generation {gen} is seen as failed")
+
+
+def adopt_pending(agreed: int, epoch: int, pending: Any, orig: int) -> bool:
+    """After ``rejoin``: whether this rank, at layout epoch ``epoch`` with ``pending`` (the layout its last
+    failed commit was for, or None), must adopt that layout because another survivor committed it
+    (``agreed``). Raises when the epochs cannot be reconciled (a bug, not a fault)."""
+    if agreed == epoch:
+        return False
+    if agreed == epoch + 1 and pending is not None:
+        return True
+    raise RuntimeError(
+        f"rank {orig}: survivors committed layout epoch {agreed}, this rank is at {epoch}"
+        f"{' with no pending layout' if pending is None else ''}: the recovery cannot continue consistently"
+    )
 
 
 class _Superseded(Exception):
@@ -175,13 +232,13 @@ class _Superseded(Exception):
 
 
 def _join(
-    store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta
-) -> tuple[list[int], Any, int]:
+    store: Any, orig: int, gen: int, step: int, epoch: int, timeout: datetime.timedelta
+) -> tuple[list[int], Any, int, int]:
     """One generation's rejoin. Store failures end the recovery (ConnectionError, TimeoutError: no retry
     can help); a RuntimeError means the new group broke, and the caller tries the next generation."""
     members = _listed(store, orig, gen, step, timeout)
     group = new_gloo_group(store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout)
-    done = torch.tensor([float(step)])
+    done = torch.tensor([float(step), -float(epoch)])  # MIN of the step, MAX of the epoch
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
     try:
@@ -189,7 +246,7 @@ def _join(
     except RuntimeError:
         abort_group(group)
         raise
-    return members, group, int(done.item())
+    return members, group, int(done[0].item()), -int(done[1].item())
 
 
 def _listed(store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta) -> list[int]:
@@ -308,6 +365,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
     losses = next(iter(finished.values()))
     return {
         "info": infos[min(infos)],
+        "infos": infos,  # by original rank
         "mode": spec.get("mode"),
         "wall_s": wall,
         "losses": losses,

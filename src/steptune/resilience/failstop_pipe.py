@@ -36,7 +36,16 @@ from typing import Any
 import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
-from steptune.resilience.failstop import commit, compare_failstop, doomed, injected, rejoin, run_failstop
+from steptune.resilience.failstop import (
+    CommitFailed,
+    adopt_pending,
+    commit,
+    compare_failstop,
+    doomed,
+    injected,
+    rejoin,
+    run_failstop,
+)
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model, sum_and_step
 from steptune.resilience.pipelined import _BYTES_PER_PARAM, _layers, _Stage, run_stage
 from steptune.resilience.planners import plan_dp
@@ -203,6 +212,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
     link = link_bandwidth(spec.get("cluster", "dgx-h100"), world)
     real_block_bytes = sum(x.params for x in full.layers) * _BYTES_PER_PARAM / blocks
     snapshot: tuple[int, Any, Any] = (0, None, None)
+    epoch, pending = 0, None  # committed state copies; the layout of this rank's last failed commit
     while step < steps:
         snapshot = (step, [copy.deepcopy(m.state_dict()) for m in layers], copy.deepcopy(opt.state_dict()))
         die = doomed(spec, orig, step)
@@ -223,10 +233,15 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
             gc.collect()
             opt.zero_grad()
             gen += 1
-            members, group, resume, gen = rejoin(
-                store, orig, gen, step, timeout, die=injected(spec, "recovery_kills", orig, gen)
+            members, group, resume, gen, agreed = rejoin(
+                store, orig, gen, step, timeout, epoch=epoch, die=injected(spec, "recovery_kills", orig, gen)
             )
             me.group, me.rank = group, members.index(orig)
+            if adopt_pending(agreed, epoch, pending, orig):  # a peer committed where this rank failed
+                pipes, epoch = pending, agreed
+                _own(me, pipes, orig, num_layers)
+                info["recoveries"].append({"from": "committed by peers", "step": step, "pipes": pipes})
+            pending = None
             if resume != step:  # got further than a peer: back to the common safe point
                 step, states, opt_state = snapshot
                 for m, st in zip(layers, states, strict=True):
@@ -249,10 +264,13 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
                 if injected(spec, "copy_kills", orig, gen):
                     os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a death during the copy
                 me.move([(i, members.index(s), members.index(d)) for i, s, d in moves], keep_sent=True)
-                commit(group)
-            except RuntimeError:  # a survivor died during the copy: every rank keeps the old layout, rejoins
+                commit(group, spec, orig, gen)
+            except RuntimeError as err:  # a survivor died during the copy: every rank keeps the old layout
+                if isinstance(err, CommitFailed):  # ... unless its commit completed elsewhere (see commit)
+                    pending = new
                 info["recoveries"].append({"from": "aborted", "step": step, "generation": gen})
                 continue
+            epoch += 1
             mine = sum(1 for _, s, d in moves if orig in (s, d))  # the emulated transfer of the real layers
             time.sleep(mine * real_block_bytes / link * scale)
             pipes = new

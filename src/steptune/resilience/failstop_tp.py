@@ -30,7 +30,15 @@ import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.pipeline.stages import lm_loss
-from steptune.resilience.failstop import commit, compare_failstop, doomed, injected, rejoin
+from steptune.resilience.failstop import (
+    CommitFailed,
+    adopt_pending,
+    commit,
+    compare_failstop,
+    doomed,
+    injected,
+    rejoin,
+)
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model
 from steptune.resilience.planners import plan_dp
 from steptune.resilience.tensorpar import (
@@ -111,6 +119,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
     step, losses = 0, {}
     info: dict[str, Any] = {"recoveries": []}
     snapshot: tuple[int, Any, Any] = (0, None, None)
+    epoch, pending = 0, None  # committed shard copies; the owners of this rank's last failed commit
     while step < steps:
         snapshot = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
         die = doomed(spec, orig, step)
@@ -128,9 +137,13 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             gc.collect()
             opt.zero_grad()
             gen += 1
-            members_, group, resume, gen = rejoin(
-                store, orig, gen, step, timeout, die=injected(spec, "recovery_kills", orig, gen)
+            members_, group, resume, gen, agreed = rejoin(
+                store, orig, gen, step, timeout, epoch=epoch, die=injected(spec, "recovery_kills", orig, gen)
             )
+            if adopt_pending(agreed, epoch, pending, orig):  # a peer committed where this rank failed
+                owners, epoch = pending, agreed
+                info["recoveries"].append({"from": "committed by peers", "step": step, "owners": owners})
+            pending = None
             if resume != step:  # got further than a peer: back to the common safe point
                 step, model_state, opt_state = snapshot
                 model.load_state_dict(model_state)
@@ -145,10 +158,13 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
                 if injected(spec, "copy_kills", orig, gen):
                     os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a death during the copy
                 holder.transfer([(u, members_.index(s), members_.index(d)) for u, s, d in moves])
-                commit(group)
-            except RuntimeError:  # a survivor died during the copy: every rank keeps the old owners, rejoins
+                commit(group, spec, orig, gen)
+            except RuntimeError as err:  # a survivor died during the copy: every rank keeps the old owners
+                if isinstance(err, CommitFailed):  # ... unless its commit completed elsewhere (see commit)
+                    pending = new
                 info["recoveries"].append({"from": "aborted", "step": step, "generation": gen})
                 continue
+            epoch += 1
             mine = sum(1 for _, s, d in moves if orig in (s, d))  # the emulated transfer of the real shard
             time.sleep(mine * unit_bytes / link * scale)
             owners = new

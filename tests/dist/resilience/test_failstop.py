@@ -111,3 +111,40 @@ def test_a_death_during_the_tp_shard_copy_is_retried_among_the_rest():
     assert [(r["from"], r["step"]) for r in recoveries] == [("aborted", 5), ("peers", 5)], res
     assert recoveries[1]["owners"] == ((1,) * 8, (2,) * 8), res
     assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(7)) <= 1e-5, res
+
+
+def test_a_commit_that_completes_on_some_survivors_only_is_adopted_by_the_rest():
+    # Step 5: rank 3 dies; rank 1 copies stage 1's layers to rank 2, and the commit all-reduce that ends
+    # the copy splits as a death inside it can split it: it completes on rank 1, rank 0 dies right after,
+    # and rank 2 sees it fail. Rank 2 must adopt the layout rank 1 committed (its copy was whole: rank 1's
+    # all-reduce could only complete once rank 2 had contributed), then both recover rank 0's stage.
+    spec = {"dp": 2, "pp": 2, "steps": 8, "seed": 0, "kills": [[3, 5]], "commit_kills": [[0, 1]],
+            "commit_misses": [[2, 1]], "time_scale": 0.005, "mode": "survive", "timeout_s": 150}  # fmt: skip
+    res = run_failstop_pipe(spec)
+    ref = reference_losses(spec, reference_model(spec))
+    assert res["survivors"] == [1, 2], res
+    committed = [(r["from"], r["step"]) for r in res["infos"][1]["recoveries"]]
+    adopted = [(r["from"], r["step"]) for r in res["infos"][2]["recoveries"]]
+    assert committed == [("peers", 5), ("peers", 5)], res
+    assert adopted == [("aborted", 5), ("committed by peers", 5), ("peers", 5)], res
+    assert res["infos"][1]["pipes"] == res["infos"][2]["pipes"] == [[(2, 0, 8)], [(1, 0, 8)]], res
+    assert sorted(res["losses"]) == list(range(8)), res
+    assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(8)) <= 1e-5, res
+
+
+def test_a_split_tp_commit_is_adopted_by_the_survivor_that_saw_it_fail():
+    # As above with dp=2 x tp=2: rank 1 copies units 4-7 to rank 2; the commit completes on rank 1,
+    # rank 0 dies right after, rank 2 sees it fail and adopts rank 1's owners; then rank 1 takes units 0-3.
+    spec = {"dp": 2, "tp": 2, "ranks": 4, "steps": 7, "seed": 0, "kills": [[3, 5]],
+            "commit_kills": [[0, 1]], "commit_misses": [[2, 1]], "time_scale": 0.005, "mode": "survive",
+            "timeout_s": 150}  # fmt: skip
+    res = run_failstop(spec, _tp_worker)
+    model, forward = reference_model_tp(spec)
+    ref = reference_losses(spec, model, forward)
+    assert res["survivors"] == [1, 2], res
+    adopted = res["infos"][2]["recoveries"]
+    froms = [(r["from"], r["step"]) for r in adopted]
+    assert froms == [("aborted", 5), ("committed by peers", 5), ("peers", 5)], res
+    assert adopted[1]["owners"] == ((0, 0, 0, 0, 1, 1, 1, 1), (2,) * 8), res
+    assert res["infos"][1]["owners"] == res["infos"][2]["owners"] == ((1,) * 8, (2,) * 8), res
+    assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(7)) <= 1e-5, res
