@@ -112,7 +112,9 @@ def register(sub: Any) -> None:
         help="feed a benchmarks/gpu/comm.py JSON into the model and show what changes",
     )
     cal.add_argument("results", help="JSON written by benchmarks/gpu/comm.py (its 'fit' section is used)")
-    cal.add_argument("--model", default="llama3.1-70b")
-    cal.add_argument("--gpus", type=positive_int, default=64)
-    cal.add_argument("--cluster", default="dgx-h200")
+    cal.add_argument("--model", default="llama3.1-70b", help="model preset (default %(default)s)")
+    cal.add_argument("--gpus", type=positive_int, default=64, help="FSDP world size W (default %(default)s)")
+    cal.add_argument(
+        "--cluster", default="dgx-h200", help="cluster preset: dgx-h100, dgx-h200 (default), gb200-nvl72"
+    )
     cal.set_defaults(func=_calibrate)

@@ -190,7 +190,12 @@ def register(sub: Any) -> None:
     )
     pl.add_argument("--batch", type=positive_int, help="batch size (default: the preset's)")
     pl.add_argument("--seq", type=positive_int, help="sequence length (default: the preset's)")
-    pl.add_argument("--solver", default="milp", choices=["milp", "greedy"])
+    pl.add_argument(
+        "--solver",
+        default="milp",
+        choices=["milp", "greedy"],
+        help="milp: exact (scipy HiGHS, the default); greedy: by time saved per byte, for a quick look",
+    )
     pl.set_defaults(func=_plan)
     for verb, text in (
         ("bench", "every anchor and TapeSAC's planned points, measured in one run (JSON)"),

@@ -238,7 +238,12 @@ def register(sub: Any) -> None:
     t.set_defaults(func=_tune)
 
     s = verbs.add_parser("simulate", help="simulate a schedule file (.csv as torch writes it, or .json)")
-    s.add_argument("--schedule", type=Path, required=True)
+    s.add_argument(
+        "--schedule",
+        type=Path,
+        required=True,
+        help="schedule file: torch's CSV, or JSON from `pipeline tune`",
+    )
     s.add_argument("--model", default=None, help="model preset for costs (default: unit costs F=I=W=1)")
     s.add_argument("--out", type=output_dir, default=Path("runs/pipeline/simulate"), help="output folder")
     _costs_args(s)
@@ -269,8 +274,18 @@ def register(sub: Any) -> None:
     b = verbs.add_parser(
         "bench", help="tuner vs every anchor on the benchmark suite; writes JSON + table + PNG"
     )
-    b.add_argument("--suite", choices=("quick", "full"), default="quick")
-    b.add_argument("--json", type=output_file, default=Path("runs/pipeline/bench.json"))
+    b.add_argument(
+        "--suite",
+        choices=("quick", "full"),
+        default="quick",
+        help="quick: 3 models on 4 devices; full: every model on 4, 8 and 16 devices (default %(default)s)",
+    )
+    b.add_argument(
+        "--json",
+        type=output_file,
+        default=Path("runs/pipeline/bench.json"),
+        help="where to write the results; the table and PNG go next to it (default %(default)s)",
+    )
     b.add_argument(
         "--time-budget",
         type=non_negative_float,

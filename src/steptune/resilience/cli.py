@@ -482,18 +482,25 @@ def register(sub: Any) -> None:
     )
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     d = verbs.add_parser("detect", help="score detectors on simulated runs with injected failures")
-    d.add_argument("--model", default="llama2-7b")
-    d.add_argument("--pp", type=positive_int, default=4)
-    d.add_argument("--dp", type=positive_int, default=4)
+    d.add_argument(
+        "--model", default="llama2-7b", help="model preset (default %(default)s; a bad name lists them)"
+    )
+    d.add_argument("--pp", type=positive_int, default=4, help="pipeline stages (default %(default)s)")
+    d.add_argument("--dp", type=positive_int, default=4, help="data-parallel replicas (default %(default)s)")
     d.add_argument(
         "--lengths", choices=("code", "chat", "uniform"), default="code", help="length distribution preset"
     )
-    d.add_argument("--runs", type=positive_int, default=20)
-    d.add_argument("--steps", type=positive_int, default=80)
+    d.add_argument(
+        "--runs",
+        type=positive_int,
+        default=20,
+        help="simulated runs per detector and case (default %(default)s)",
+    )
+    d.add_argument("--steps", type=positive_int, default=80, help="steps per run (default %(default)s)")
     d.add_argument(
         "--factor", type=_slowdown, default=1.25, help="injected slowdown: 1.25 = 25%% slower (> 1)"
     )
-    d.add_argument("--json", type=output_file, default=None)
+    d.add_argument("--json", type=output_file, default=None, help="also write the scores here (JSON)")
     d.set_defaults(func=_detect)
     run = verbs.add_parser(
         "run",
@@ -506,7 +513,9 @@ def register(sub: Any) -> None:
         "--compare runs healthy, unmitigated and adapted with the "
         "same seeds and the simulator's prediction of each.",
     )
-    run.add_argument("--ranks", type=positive_int, default=4)
+    run.add_argument(
+        "--ranks", type=positive_int, default=4, help="processes to spawn; must equal the layout's product"
+    )
     run.add_argument(
         "--layout",
         default="dp=4",
@@ -518,7 +527,7 @@ def register(sub: Any) -> None:
         default=[],
         help="slow:rank=R,factor=F,at=S[,for=D] (a device) or slow-link:... (rank R's link; DP layout)",
     )
-    run.add_argument("--steps", type=positive_int, default=80)
+    run.add_argument("--steps", type=positive_int, default=80, help="training steps (default %(default)s)")
     run.add_argument(
         "--time-scale",
         type=positive_float,
@@ -528,7 +537,9 @@ def register(sub: Any) -> None:
         "0.1 keeps the emulation's host time under 5%% of a step, where the simulator's prediction is "
         "checked)",
     )
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--seed", type=int, default=0, help="seed of the model, data and noise (default %(default)s)"
+    )
     run.add_argument(
         "--ranks-per-node",
         type=positive_int,
@@ -568,15 +579,22 @@ def register(sub: Any) -> None:
         help="dp=2,pp=2 or dp=2,tp=2: the dead rank's layers / TP units come back from a DP peer "
         "(TP: no restart run)",
     )
-    fs.add_argument("--steps", type=positive_int, default=20)
-    fs.add_argument("--kill-rank", type=int, default=2)
-    fs.add_argument("--kill-step", type=int, default=11)
+    fs.add_argument("--steps", type=positive_int, default=20, help="training steps (default %(default)s)")
+    fs.add_argument("--kill-rank", type=int, default=2, help="the rank to SIGKILL (default %(default)s)")
+    fs.add_argument(
+        "--kill-step", type=int, default=11, help="the step it dies in, counted from 0 (default %(default)s)"
+    )
     fs.add_argument(
         "--checkpoint-every", type=positive_int, default=5, help="the restart baseline's checkpoint interval"
     )
-    fs.add_argument("--time-scale", type=positive_float, default=0.01)
-    fs.add_argument("--seed", type=int, default=0)
-    fs.add_argument("--json", type=output_file, default=None)
+    fs.add_argument(
+        "--time-scale",
+        type=positive_float,
+        default=0.01,
+        help="wall seconds per emulated device second (default %(default)s)",
+    )
+    fs.add_argument("--seed", type=int, default=0, help="seed of the model and data (default %(default)s)")
+    fs.add_argument("--json", type=output_file, default=None, help="also write the three runs here (JSON)")
     fs.set_defaults(func=_failstop)
     t = verbs.add_parser("trace", help="replay the real 128-GPU straggler trace through every detector")
     t.add_argument("--path", type=Path, default=None, help="trace parquet (default: the shared copy)")
@@ -595,9 +613,11 @@ def register(sub: Any) -> None:
         help="all, or one of resihp, steptune, recycle, oobleck, greyhound, "
         "adaptra, strengthened-recycle, strengthened-oobleck, malleus-lite, ckpt-restart, noop, oracle",
     )
-    sim.add_argument("--model", default="llama2-13b")
+    sim.add_argument(
+        "--model", default="llama2-13b", help="model preset (default %(default)s; a bad name lists them)"
+    )
     sim.add_argument("--duration", type=positive_float, default=7200.0, help="simulated seconds (7200)")
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--seed", type=int, default=0, help="seed of a generated scenario (default %(default)s)")
     sim.add_argument("--verbose", action="store_true", help="print every plan change")
     sim.add_argument(
         "--free-comm",
@@ -605,7 +625,9 @@ def register(sub: Any) -> None:
         help="do not price TP/PP/DP communication (link fail-slows are then rejected)",
     )
     _add_lengths(sim)
-    sim.add_argument("--json", type=output_file, default=None)
+    sim.add_argument(
+        "--json", type=output_file, default=None, help="also write each policy's result here (JSON)"
+    )
     sim.set_defaults(func=_simulate)
     b = verbs.add_parser("bench", help="every policy on the same simulated 256-GPU scenarios (JSON, table)")
     b.add_argument("--quick", action="store_true", help="2 models x 3 kinds x 30 min: under a minute")
@@ -615,16 +637,20 @@ def register(sub: Any) -> None:
     b.add_argument("--workers", type=positive_int, default=2, help="processes")
     b.add_argument("--models", default=None, help="comma-separated model presets (default: all seven)")
     _add_lengths(b)
-    b.add_argument("--json", type=output_file, required=True)
+    b.add_argument(
+        "--json", type=output_file, required=True, help="where to write the rows, ratios and detector scores"
+    )
     b.add_argument("--plot", type=output_file, default=None, help="PNG of the ratios per scenario kind")
     b.set_defaults(func=_bench)
     sw = verbs.add_parser(
         "sweep", help="sensitivity to the failure rate, the fail-slow duration and the sequence-length spread"
     )
-    sw.add_argument("--model", default="llama2-13b")
+    sw.add_argument(
+        "--model", default="llama2-13b", help="model preset (default %(default)s; a bad name lists them)"
+    )
     sw.add_argument(
         "--quick", action="store_true", help="two scales, 30 simulated minutes, few detector runs"
     )
-    sw.add_argument("--workers", type=positive_int, default=2)
-    sw.add_argument("--json", type=output_file, required=True)
+    sw.add_argument("--workers", type=positive_int, default=2, help="processes (default %(default)s)")
+    sw.add_argument("--json", type=output_file, required=True, help="where to write the sweep (JSON)")
     sw.set_defaults(func=_sweep)

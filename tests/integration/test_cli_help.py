@@ -1,0 +1,27 @@
+"""Every option of every verb says what it does, and every help page renders (a stray ``%`` in a help
+text only fails when that page is printed)."""
+
+import argparse
+
+from steptune.cli import build_parser
+
+
+def _parsers(parser, path):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, [*path, name])
+
+
+def test_every_option_has_help_and_every_page_renders():
+    missing, pages = [], 0
+    for path, parser in _parsers(build_parser(), ["steptune"]):
+        text = parser.format_help()  # raises on a bad %-format
+        assert text.startswith("usage: " + " ".join(path)), text[:80]
+        pages += 1
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help" and not action.help:
+                missing.append(f"{' '.join(path)} {action.option_strings[-1]}")
+    assert pages >= 25, pages  # every area, its verbs, and demo
+    assert not missing, "options without help: " + ", ".join(missing)
