@@ -25,7 +25,19 @@ def build_parser() -> argparse.ArgumentParser:
     for area in AREAS:
         importlib.import_module(f"steptune.{area}.cli").register(sub)
     importlib.import_module("steptune.demo").register(sub)
+    _mark_verbs(parser)
     return parser
+
+
+def _mark_verbs(parser: argparse.ArgumentParser) -> None:
+    """Give each verb's namespace its parser (``args._parser``), so a verb can tell an option the user set
+    from its default (``core.argtypes.warn_ignored``)."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        parser.set_defaults(_parser=parser)
+    for action in subs:
+        for child in action.choices.values():
+            _mark_verbs(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -104,10 +104,22 @@ def test_pipeline_schedules_of_the_wrong_shape_are_named(tmp_path, capsys):
         (b"[1, 2]", "schedule JSON must be an object, got a list"),
         (b'{"name": "x", "num_stages": "eight", "num_microbatches": 2, "placement": [0], "orders": [[]]}',
          "num_stages must be a whole number"),
-        (b"\x89PNG\r\n\x1a\n\xff\xfe", "not a text file"),
+        (b"\x89PNG\r\n\x1a\n\xff\xfe", "not a UTF-8 text schedule (byte 0x89 at offset 0)"),
     ):  # fmt: skip
         path = tmp_path / "schedule.json"
         path.write_bytes(content)
         argv = ["pipeline", "simulate", "--schedule", str(path), "--out", str(tmp_path / "o")]
         rc, err = _refused(argv, capsys)
         assert rc == 2 and message in err, (content, err)
+
+
+def test_files_that_are_not_utf8_text_are_named(tmp_path, capsys):
+    # Before: "'utf-8' codec can't decode byte 0xff in position 57", without the file's name.
+    scenario = tmp_path / "s.csv"
+    scenario.write_bytes(b"kind,device,start_s,duration_s,factor\nfail-stop,3,10,100,\xff\n")
+    rc, err = _refused(["resilience", "simulate", "--scenario", str(scenario), "--duration", "100"], capsys)
+    assert rc == 2 and f"{scenario}: not a UTF-8 text scenario CSV (byte 0xff at offset 57)" in err, err
+    cand = tmp_path / "k.py"
+    cand.write_bytes(b"import torch\n# \xfe\n")
+    rc, err = _refused(["kernels", "eval", "--problem", "relu", "--candidate", str(cand)], capsys)
+    assert rc == 2 and f"{cand}: not a UTF-8 text kernel candidate (byte 0xfe" in err, err

@@ -6,10 +6,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["non_negative_float", "output_dir", "output_file", "positive_float", "positive_int"]
+__all__ = [
+    "non_negative_float",
+    "output_dir",
+    "output_file",
+    "positive_float",
+    "positive_int",
+    "warn_ignored",
+]
 
 
 def _number(
@@ -66,3 +74,18 @@ def _writable_ancestor(folder: Path, text: str) -> None:
         raise argparse.ArgumentTypeError(f"cannot write {text}: {here} is a file, not a folder")
     if not os.access(here, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: no write permission in {here}")
+
+
+def warn_ignored(args: argparse.Namespace, dests: Iterable[str], why: str) -> list[str]:
+    """Warn on stderr for each option in ``dests`` (argparse dest names) that was set to something other
+    than its default although ``why`` (e.g. "with --lane cpu") gives it no effect. The verb's parser is
+    ``args._parser`` (``steptune.cli.build_parser`` sets it on every verb). Returns the flags warned of."""
+    parser = getattr(args, "_parser", None)
+    if parser is None:
+        return []
+    flags = []
+    for dest in dests:
+        if getattr(args, dest) != parser.get_default(dest):
+            flags.append("--" + dest.replace("_", "-"))
+            print(f"{parser.prog}: warning: {flags[-1]} has no effect {why}", file=sys.stderr)
+    return flags

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import output_file, positive_float, positive_int
+from steptune.core.argtypes import output_file, positive_float, positive_int, warn_ignored
+from steptune.core.textfile import read_text
 
 __all__ = ["register"]
 
@@ -58,6 +59,7 @@ def _eval(args: argparse.Namespace) -> int:
     path = Path(args.candidate)
     if not path.is_file():
         raise ValueError(f"--candidate {args.candidate!r} is not a file")
+    source = read_text(path, "kernel candidate")
     if args.device == "cuda":
         import torch
 
@@ -74,7 +76,7 @@ def _eval(args: argparse.Namespace) -> int:
     if sys.stderr.isatty():
         print(f"evaluating {path} on {problem.name} ...", file=sys.stderr)
     with EvalPool(config) as pool:
-        res = pool.evaluate(problem, path.read_text())
+        res = pool.evaluate(problem, source)
     print(describe(res, str(path)))
     if args.json:
         out = {
@@ -108,6 +110,9 @@ def _bench(args: argparse.Namespace) -> int:
     from steptune.kernels.bench import bench_table, run_bench, write_json
 
     console = Console(stderr=True)
+    unused = {"examples": ("seeds", "sweep", "wall"), "sim": ("wall", "repeats", "problems"),
+              "cpu": ("seeds", "sweep", "repeats", "problems")}  # fmt: skip
+    warn_ignored(args, unused[args.lane], f"with --lane {args.lane}")
     if args.lane in ("sim", "cpu"):
         from steptune.kernels.lanes import kv_tier_study, lane_table, run_cpu_lane, run_sim_lane, sweep
 

@@ -402,7 +402,9 @@ def run_cpu_lane(
             out["policies"][name] = {k: v for k, v in report.items() if k not in ("roles_timeline",)}
     if "specgen" in out["policies"] and "sequential" in out["policies"]:
         s, q = out["policies"]["specgen"], out["policies"]["sequential"]
-        out["feedback_per_min_ratio"] = s["feedback_per_min"] / max(1e-9, q["feedback_per_min"])
+        # None when either got no feedback at all: a 0 or a 1e9 would read as a measured ratio
+        both = s["feedback_count"] > 0 and q["feedback_count"] > 0
+        out["feedback_per_min_ratio"] = s["feedback_per_min"] / q["feedback_per_min"] if both else None
     return out
 
 
@@ -466,8 +468,14 @@ def lane_table(report: dict[str, Any]) -> Any:
                 f"e2e {row['e2e']:.2f}x [{row['e2e_ci95'][0]:.2f}, {row['e2e_ci95'][1]:.2f}]"
             )
         t.notes.append("simulated services; assumptions in docs/kernels.md")
-    elif "feedback_per_min_ratio" in report:
+    elif report.get("feedback_per_min_ratio") is not None:
         t.notes.append(
             f"SpecGen / sequential profiling feedback per minute: {report['feedback_per_min_ratio']:.2f}x"
+        )
+    elif "feedback_per_min_ratio" in report:
+        none = [n for n, p in report["policies"].items() if not p["feedback_count"]]
+        t.notes.append(
+            f"no ratio: {', '.join(none)} got no profiling feedback in {report.get('wall_s', '?')} s per "
+            "policy; raise --wall (a candidate needs its generation, compile and validation first)"
         )
     return t

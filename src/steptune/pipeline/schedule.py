@@ -21,6 +21,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from steptune.core.textfile import NotTextError, read_text
+
 __all__ = ["Action", "ActionKind", "Schedule", "ScheduleError"]
 
 
@@ -205,9 +207,9 @@ class Schedule:
     def load(path: str | Path) -> Schedule:
         path = Path(path)
         try:
-            text = path.read_text()
-        except UnicodeDecodeError as exc:
-            raise ScheduleError(f"{path}: not a text file ({exc.reason} at byte {exc.start})") from None
+            text = read_text(path, "schedule")
+        except NotTextError as exc:
+            raise ScheduleError(str(exc)) from None
         if path.suffix == ".csv":
             return Schedule.from_csv(text, name=path.stem)
         try:

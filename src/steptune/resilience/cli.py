@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import output_file, positive_float, positive_int
+from steptune.core.argtypes import output_file, positive_float, positive_int, warn_ignored
 
 __all__ = ["register"]
 
@@ -180,6 +180,8 @@ def _bench(args: argparse.Namespace) -> int:
     from steptune.resilience.bench import BenchConfig, quick_config, run_bench
     from steptune.resilience.report import plot_bench, print_bench
 
+    if args.quick:
+        warn_ignored(args, ["seeds"], "with --quick (one seed per scenario)")
     cfg = (
         quick_config(workers=args.workers)
         if args.quick
@@ -349,6 +351,10 @@ def _run(args: argparse.Namespace) -> int:
         spec.update(dp=dp, pp=pp)
     if tp > 1:
         spec.update(dp=dp, tp=tp, tp_policy=args.tp_policy)
+    if tp == 1 or args.compare:
+        warn_ignored(
+            args, ["tp_policy"], "without tp > 1 in --layout" if tp == 1 else "with --compare (it runs both)"
+        )
     if args.compare:
         if tp > 1:
             res = compare_tensor_parallel(spec)
@@ -357,8 +363,11 @@ def _run(args: argparse.Namespace) -> int:
         tput = res["throughput_tokens_per_s"]
         print(f"healthy run: ResiHP false alarms {res['false_alarms']}, fixed 10% threshold "
               f"{res['fixed_threshold_false_alarms']} (step CV {res['healthy_step_cv']:.1%})")  # fmt: skip
-        print(f"detection delay {res['detection_delay_steps']} steps, rank {res['detected_rank']}, "
-              f"estimated slowdown {res['estimated_slowdown']}")  # fmt: skip
+        if res["detection_delay_steps"] is not None:
+            print(f"detection delay {res['detection_delay_steps']} steps, rank {res['detected_rank']}, "
+                  f"estimated slowdown {res['estimated_slowdown']}")  # fmt: skip
+        elif faults:
+            print("the injected slowdown was not detected in this run")
         for x in res.get("link_alarms", []):
             delay = res["link_detection_delay_steps"]
             print(f"slow link detected after step {x['step']} ({delay} steps after onset): "
@@ -402,6 +411,8 @@ def _run(args: argparse.Namespace) -> int:
         out = run_pipelined({**spec, "adapt": not args.no_adapt})
     else:
         out = run_live({**spec, "adapt": not args.no_adapt}, args.ranks)
+    print(f"per step: emulated device seconds (wall / --time-scale {spec['time_scale']}; step 0 includes "
+          "start-up), tokens per emulated second, loss, each rank's estimated speed")  # fmt: skip
     for r in out["reports"]:
         alarms = ", ".join(f"rank {u} x{s}" for u, s in r["alarms"])
         print(f"step {r['step']:3d}  {r['wall_s']:6.2f} s  {r['tokens'] / r['wall_s']:8.0f} tok/s  "

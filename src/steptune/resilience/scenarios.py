@@ -19,12 +19,14 @@ optional sixth column ``target`` ("compute" or "link"; written only when a trace
 from __future__ import annotations
 
 import csv
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from steptune.core.textfile import read_text
 from steptune.resilience.sim import FailureEvent
 
 __all__ = ["KINDS", "LINK_FACTORS", "SEVERITY", "Rates", "generate", "read_csv", "write_csv"]
@@ -122,8 +124,7 @@ def write_csv(failures: tuple[FailureEvent, ...] | list[FailureEvent], path: Pat
 
 def read_csv(path: Path, *, num_devices: int | None = None) -> tuple[FailureEvent, ...]:
     """Failures from a CSV trace; a bad row raises ``ValueError`` naming the file and line."""
-    with path.open(newline="") as fh:
-        rows = list(csv.reader(fh))
+    rows = list(csv.reader(io.StringIO(read_text(path, "scenario CSV"), newline="")))
     header = tuple(x.strip() for x in rows[0]) if rows else ()
     if header not in (_FIELDS, (*_FIELDS, _TARGET)):
         raise ValueError(

@@ -4,7 +4,15 @@ import argparse
 
 import pytest
 
-from steptune.core.argtypes import non_negative_float, output_dir, output_file, positive_float, positive_int
+from steptune.cli import build_parser
+from steptune.core.argtypes import (
+    non_negative_float,
+    output_dir,
+    output_file,
+    positive_float,
+    positive_int,
+    warn_ignored,
+)
 
 
 def test_accepted_values():
@@ -40,3 +48,14 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
         output_file(str(afile / "x.json"))
     with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
         output_dir(str(afile))
+
+
+def test_options_that_do_not_apply_are_warned_of_only_when_set(capsys):
+    parser = build_parser()
+    args = parser.parse_args(["kernels", "bench", "--lane", "cpu", "--wall", "5", "--seeds", "3"])
+    assert warn_ignored(args, ["seeds", "sweep", "repeats"], "with --lane cpu") == ["--seeds"]
+    assert "steptune kernels bench: warning: --seeds has no effect with --lane cpu" in capsys.readouterr().err
+    args = parser.parse_args(["kernels", "bench", "--lane", "cpu", "--seeds", "20"])  # the default: silent
+    assert warn_ignored(args, ["seeds"], "with --lane cpu") == []
+    args = parser.parse_args(["resilience", "run", "--tp-policy", "uneven"])
+    assert warn_ignored(args, ["tp_policy"], "without tp > 1") == ["--tp-policy"]

@@ -128,3 +128,14 @@ def test_forks_on_other_replicas_prefill_without_the_kv_tier():
     rep = run_sim_lane(seeds=1, variants=("specgen",), workers=1, wall_s=600)
     rep["kv_tier"] = rows
     assert any("2 serving replicas, load routing" in n for n in lane_table(rep).notes)
+
+
+def test_cpu_lane_table_says_why_there_is_no_ratio_when_a_policy_got_no_feedback():
+    # `kernels bench --lane cpu --wall 3` printed "0.00x": sequential had not profiled anything yet.
+    policy = {"best_speedup": None, "feedback_count": 0, "feedback_per_min": 0.0, "tokens": {"main": 10},
+              "eval_utilization": 0.0, "feedback_latency_s": None}  # fmt: skip
+    report = {"lane": "cpu", "wall_s": 3.0, "feedback_per_min_ratio": None,
+              "policies": {"sequential": policy, "specgen": {**policy, "feedback_count": 1}}}  # fmt: skip
+    notes = " ".join(lane_table(report).notes)
+    assert "no ratio: sequential got no profiling feedback in 3.0 s" in notes and "raise --wall" in notes
+    assert "0.00x" not in notes
