@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts
-from steptune.resilience.planners import shares_only, uniform_repartition
 from steptune.resilience.policies import Memoized, try_replan
+from steptune.resilience.replans import shares_only, uniform_repartition
 from steptune.resilience.sim import Decision, SimContext, SimJob, improve_counts
 
 __all__ = ["Oracle", "PriceFn"]

@@ -42,8 +42,9 @@ from steptune.resilience.live import (
     summarize,
 )
 from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts
-from steptune.resilience.planners import initial_plan, plan_dp
+from steptune.resilience.planners import plan_dp
 from steptune.resilience.progressive import progressive_replan
+from steptune.resilience.replans import initial_plan
 from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
 from steptune.resilience.workload import StageModel, features
 

@@ -1,10 +1,9 @@
-"""Planners over an ``ExecutionPlan``: one per axis, the ski-rental gate, and the step-time model.
+"""Planners over an ``ExecutionPlan``: one per axis, and the ski-rental gate. The step-time model that
+prices plans is in ``steptime``; whole-plan constructors (initial, uneven shares, one partition for every
+replica) in ``replans``.
 
 Contract: nothing here touches torch.distributed; every function returns new values and never mutates its
 arguments. Devices, layer costs and memory follow the model in ``steptune.resilience.plan``'s docstring.
-Step-time model: a replica running ``m >= 1`` microbatches takes ``sum_s t_s + (m - 1) * max_s t_s``
-(1F1B fill/drain, then the bottleneck stage paces the steady state); the step is the slowest replica
-(synchronous DP). ``estimate_step_time`` and ``rebalanced`` price plans with it.
 
 Exact: ``plan_tp``, ``plan_pp`` (min-max, then fewest layers moved), microbatch counts for equal costs.
 Heuristic: ``plan_dp`` for unequal costs (LPT; within 4/3 of optimal on equal speeds, Graham 1969),
@@ -14,37 +13,25 @@ Heuristic: ``plan_dp`` for unequal costs (LPT; within 4/3 of optimal on equal sp
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 
 from steptune.resilience.plan import (
     _REL,
-    ClusterState,
-    ExecutionPlan,
     StageMemory,
-    _water_fill,
-    group_speed,
-    water_fill,
 )
 
 __all__ = [
     "Move",
-    "estimate_step_time",
-    "initial_plan",
     "makespan",
     "migrate",
     "plan_dp",
     "plan_pp",
     "plan_tp",
-    "rebalanced",
-    "shares_only",
     "should_apply",
-    "uniform_repartition",
 ]
 
 
@@ -287,119 +274,3 @@ def should_apply(
     if math.isinf(t_now):
         return True
     return (t_now - t_new) * (expected_fault_duration_s / t_now) > reconfig_cost_s
-
-
-# Step-time model (module docstring) --------------------------------------------------------------
-
-_Groups = list[list[tuple[int, ...]]]
-
-
-def _stage_times(state: ClusterState, groups: Sequence[tuple[int, ...]], part: Sequence[int]) -> list[float]:
-    out, start = [], 0
-    for g, n in zip(groups, part, strict=True):
-        speed = state.group_throughput(g)
-        fits = sum(state.layer_bytes[start : start + n]) <= state.group_capacity(g) * (1 + _REL)
-        out.append(sum(state.layer_costs[start : start + n]) / speed if speed > 0 and fits else math.inf)
-        start += n
-    return out
-
-
-def _step_time(state: ClusterState, tp: _Groups, part: Sequence[Sequence[int]], mb: Sequence[int]) -> float:
-    out = 0.0
-    for groups, p, m in zip(tp, part, mb, strict=True):
-        t = _stage_times(state, groups, p)
-        if math.isinf(max(t)):
-            return math.inf  # a dead device or an OOM stage: the plan cannot run at all
-        out = max(out, sum(t) + (m - 1) * max(t) if m > 0 else 0.0)
-    return out
-
-
-def _rebalance(
-    state: ClusterState, tp: _Groups, part: Sequence[Sequence[int]], total: int
-) -> tuple[list[int], float]:
-    """Optimal counts for equal microbatches (take the earliest finish slot each time), and the step."""
-    times = [_stage_times(state, g, p) for g, p in zip(tp, part, strict=True)]
-    if any(math.isinf(max(t)) for t in times):
-        return [0] * len(tp), math.inf
-    counts = [0] * len(tp)
-    heap = [(sum(t), r) for r, t in enumerate(times)]
-    heapq.heapify(heap)
-    for _ in range(total):
-        _, r = heapq.heappop(heap)
-        counts[r] += 1
-        heapq.heappush(heap, (sum(times[r]) + counts[r] * max(times[r]), r))
-    return counts, _step_time(state, tp, part, counts)
-
-
-def estimate_step_time(state: ClusterState, plan: ExecutionPlan) -> float:
-    """Modelled step time of ``plan`` (module docstring); inf if a stage cannot run: a dead device with
-    work (every member under k x min p; one holding units under ``tp_shares``) or a stage that OOMs."""
-    tp = [[plan.group(r, s) for s in range(plan.num_stages)] for r in range(plan.num_replicas)]
-    return _step_time(state, tp, plan.layer_partition, plan.microbatches)
-
-
-def rebalanced(state: ClusterState, plan: ExecutionPlan) -> ExecutionPlan:
-    """``plan`` with the microbatch counts that minimize the modelled step (same version if unchanged)."""
-    tp = [[plan.group(r, s) for s in range(plan.num_stages)] for r in range(plan.num_replicas)]
-    counts, t = _rebalance(state, tp, plan.layer_partition, sum(plan.microbatches))
-    if tuple(counts) == plan.microbatches or math.isinf(t):
-        return plan
-    return replace(plan, version=plan.version + 1, microbatches=tuple(counts))
-
-
-def shares_only(state: ClusterState, plan: ExecutionPlan) -> ExecutionPlan:
-    """``plan`` with each TP group's dead members dropped and its units water-filled over the live ones
-    by speed (steptune's uneven shares, ``water_fill``); partition and microbatches kept. A group with no
-    live member stays as it is (only rerouting its work can run it). Same version if nothing changed."""
-    groups, shares = [], []
-    for g in plan.tp_groups:
-        live = tuple(d for d in g if state.speeds[d] > 0)
-        groups.append(live or g)
-        shares.append(
-            water_fill(live, state.speeds, state.num_heads)
-            if live
-            else _water_fill((1.0,) * len(g), state.num_heads)
-        )
-    out = replace(
-        plan,
-        tp_groups=tuple(groups),
-        tp_shares=tuple(shares) if any(len(set(c)) > 1 for c in shares) else None,
-    )
-    return plan if out == plan else replace(out, version=plan.version + 1)
-
-
-def uniform_repartition(state: ClusterState, plan: ExecutionPlan) -> ExecutionPlan | None:
-    """``plan`` with one bottleneck-optimal layer partition for every replica, each stage position
-    paced by its slowest replica's group (k x min speed); TP groups and microbatches kept. None if no
-    partition fits in memory. (Greyhound's S3; a candidate of the simulator's oracle.)"""
-    num_r, num_s = plan.num_replicas, plan.num_stages
-    speeds = [min(group_speed(plan.group(r, s), state.speeds) for r in range(num_r)) for s in range(num_s)]
-    mem = None
-    if math.isfinite(state.memory_bytes):
-        caps = tuple(
-            min(len(plan.group(r, s)) for r in range(num_r)) * state.memory_bytes for s in range(num_s)
-        )
-        mem = StageMemory(layer_bytes=state.layer_bytes, capacity=caps)
-    try:
-        part = plan_pp(state.layer_costs, speeds, memory=mem, prefer=plan.layer_partition[0])
-    except ValueError:
-        return None
-    return replace(plan, version=plan.version + 1, layer_partition=(part,) * num_r)
-
-
-def initial_plan(
-    state: ClusterState, *, tp: int, pp: int, dp: int, global_microbatches: int
-) -> ExecutionPlan:
-    """Version 0 on devices 0..tp*pp*dp-1 (replica-major, then stage, then TP rank), healthy speeds."""
-    if tp * pp * dp > len(state.speeds):
-        raise ValueError(f"tp*pp*dp = {tp * pp * dp} exceeds the {len(state.speeds)} devices")
-    groups = tuple(tuple(range(i * tp, (i + 1) * tp)) for i in range(dp * pp))
-    mem = None
-    if math.isfinite(state.memory_bytes):
-        mem = StageMemory(layer_bytes=state.layer_bytes, capacity=(tp * state.memory_bytes,) * pp)
-    part = plan_pp(state.layer_costs, [float(tp)] * pp, memory=mem)
-    q, rem = divmod(global_microbatches, dp)
-    mb = tuple(q + (r < rem) for r in range(dp))
-    plan = ExecutionPlan(version=0, tp_groups=groups, layer_partition=(part,) * dp, microbatches=mb)
-    plan.validate(state.num_layers, global_microbatches)
-    return plan

@@ -13,10 +13,11 @@ import math
 from dataclasses import replace
 
 from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts
-from steptune.resilience.planners import rebalanced, should_apply
+from steptune.resilience.planners import should_apply
 from steptune.resilience.progressive import progressive_replan
 from steptune.resilience.sim import Decision, SimContext, SimJob, reconfig_cost
 from steptune.resilience.simload import PREDICTION_SIGMA
+from steptune.resilience.steptime import rebalanced
 
 __all__ = ["CheckpointRestart", "Memoized", "NoOp", "ResiHPPolicy", "restart_plan", "try_replan"]
 

@@ -22,7 +22,8 @@ from steptune.resilience.plan import (
     StageMemory,
     water_fill,
 )
-from steptune.resilience.planners import _Groups, _rebalance, _step_time, plan_pp, plan_tp, should_apply
+from steptune.resilience.planners import plan_pp, plan_tp, should_apply
+from steptune.resilience.steptime import _Groups, _rebalance, _step_time
 
 __all__ = ["progressive_replan"]
 

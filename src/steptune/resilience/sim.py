@@ -51,7 +51,7 @@ from steptune.pipeline.listsched import ListPolicy, list_schedule
 from steptune.pipeline.schedule import Schedule
 from steptune.pipeline.simulate import makespan
 from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts, shares_speed
-from steptune.resilience.planners import initial_plan
+from steptune.resilience.replans import initial_plan
 from steptune.resilience.simcomm import CommModel, comm_model, effective_speeds
 from steptune.resilience.simload import BatchWorkload, workload_factor
 from steptune.resilience.workload import StageModel

@@ -8,8 +8,8 @@ import math
 from dataclasses import replace
 
 from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts
-from steptune.resilience.planners import shares_only, uniform_repartition
 from steptune.resilience.policies import Option, ResiHPPolicy, try_replan
+from steptune.resilience.replans import shares_only, uniform_repartition
 from steptune.resilience.sim import Decision, SimContext, improve_counts, reconfig_cost, runs_slow
 
 __all__ = ["SteptunePolicy"]

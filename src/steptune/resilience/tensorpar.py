@@ -51,8 +51,9 @@ from steptune.resilience.live import (
     summarize,
 )
 from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts, water_fill
-from steptune.resilience.planners import initial_plan, makespan, plan_dp, should_apply
+from steptune.resilience.planners import makespan, plan_dp, should_apply
 from steptune.resilience.progressive import progressive_replan
+from steptune.resilience.replans import initial_plan
 from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
 
 __all__ = [

@@ -18,8 +18,8 @@ from steptune.resilience.baselines import (
     oracle,
 )
 from steptune.resilience.plan import ClusterState
-from steptune.resilience.planners import initial_plan
 from steptune.resilience.policies import NoOp, ResiHPPolicy
+from steptune.resilience.replans import initial_plan
 from steptune.resilience.sim import FailureEvent, SimJob, SimResult, pipeline_time, rescheduled_time, run
 from steptune.resilience.steptune_policy import SteptunePolicy
 

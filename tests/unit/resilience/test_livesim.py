@@ -9,8 +9,8 @@ import pytest
 
 from steptune.resilience.livesim import LiveWorkload, plot_live, predict_live, sim_job_for
 from steptune.resilience.plan import ClusterState
-from steptune.resilience.planners import initial_plan
 from steptune.resilience.policies import NoOp
+from steptune.resilience.replans import initial_plan
 from steptune.resilience.runtime import lpt_assign
 from steptune.resilience.sim import FailureEvent, run
 from steptune.resilience.steptune_policy import SteptunePolicy

@@ -10,9 +10,10 @@ from steptune.core.specs import cluster_preset, model_preset
 from steptune.resilience.livesim import sim_job_for
 from steptune.resilience.pipelined import _moves, one_f_one_b_order, parse_layout
 from steptune.resilience.plan import ClusterState, ReconfigCosts
-from steptune.resilience.planners import estimate_step_time, initial_plan
 from steptune.resilience.progressive import progressive_replan
+from steptune.resilience.replans import initial_plan
 from steptune.resilience.sim import SimJob, layer_phase_times
+from steptune.resilience.steptime import estimate_step_time
 from steptune.resilience.workload import StageModel
 
 

@@ -11,18 +11,10 @@ from hypothesis import strategies as st
 
 from steptune.pipeline.costs import balanced_partition
 from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts, StageMemory
-from steptune.resilience.planners import (
-    Move,
-    estimate_step_time,
-    initial_plan,
-    makespan,
-    migrate,
-    plan_dp,
-    plan_pp,
-    plan_tp,
-    should_apply,
-)
+from steptune.resilience.planners import Move, makespan, migrate, plan_dp, plan_pp, plan_tp, should_apply
 from steptune.resilience.progressive import progressive_replan
+from steptune.resilience.replans import initial_plan
+from steptune.resilience.steptime import estimate_step_time
 from steptune.resilience.workload import features
 
 pytestmark = pytest.mark.timeout(60)

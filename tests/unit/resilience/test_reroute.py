@@ -7,7 +7,7 @@ import pytest
 
 from steptune.resilience.baselines import ReCycle, oracle, recycle_step_time
 from steptune.resilience.bench import job_for
-from steptune.resilience.planners import shares_only
+from steptune.resilience.replans import shares_only
 from steptune.resilience.reroute import best_moves, dead_moves, rerouted_step_time
 from steptune.resilience.sim import Decision, FailureEvent, run
 from steptune.resilience.steptune_policy import SteptunePolicy

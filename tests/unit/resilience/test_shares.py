@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from steptune.resilience.oracle import Oracle
 from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts, shares_speed, water_fill
-from steptune.resilience.planners import initial_plan
 from steptune.resilience.policies import ResiHPPolicy
 from steptune.resilience.progressive import progressive_replan
+from steptune.resilience.replans import initial_plan
 from steptune.resilience.sim import FailureEvent, SimJob, reconfig_cost, run
 from steptune.resilience.steptune_policy import SteptunePolicy
 

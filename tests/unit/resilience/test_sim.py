@@ -14,8 +14,8 @@ from steptune.pipeline.schedule import ActionKind
 from steptune.pipeline.simulate import simulate
 from steptune.resilience.oracle import Oracle
 from steptune.resilience.plan import ClusterState, ReconfigCosts
-from steptune.resilience.planners import initial_plan
 from steptune.resilience.policies import CheckpointRestart, NoOp, ResiHPPolicy
+from steptune.resilience.replans import initial_plan
 from steptune.resilience.sim import FailureEvent, SimJob, SimResult, reconfig_cost, run
 from steptune.resilience.steptune_policy import SteptunePolicy
 

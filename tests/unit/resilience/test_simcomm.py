@@ -13,8 +13,8 @@ from steptune.pipeline.schedule import ActionKind
 from steptune.pipeline.simulate import simulate
 from steptune.resilience.baselines import Adaptra, Greyhound, ReCycle, Strengthened, oracle
 from steptune.resilience.plan import ClusterState
-from steptune.resilience.planners import initial_plan
 from steptune.resilience.policies import NoOp, ResiHPPolicy
+from steptune.resilience.replans import initial_plan
 from steptune.resilience.sim import FailureEvent, SimJob, SimResult, layer_phase_times, run
 from steptune.resilience.simcomm import CommModel, comm_model, effective_speeds
 from steptune.resilience.steptune_policy import SteptunePolicy

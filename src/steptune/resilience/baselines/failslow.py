@@ -7,9 +7,9 @@ from dataclasses import replace
 from steptune.resilience.baselines._common import _INF, Price, _dead, _stage_costs
 from steptune.resilience.baselines.failstop import Oobleck, ReCycle
 from steptune.resilience.plan import ClusterState, ExecutionPlan, ReconfigCosts
-from steptune.resilience.planners import uniform_repartition
 from steptune.resilience.policies import CheckpointRestart, Memoized, restart_plan
 from steptune.resilience.progressive import progressive_replan
+from steptune.resilience.replans import uniform_repartition
 from steptune.resilience.sim import (
     Decision,
     SimContext,

@@ -7,9 +7,10 @@ from dataclasses import replace
 
 from steptune.resilience.baselines._common import _INF, _dead, _stage_costs
 from steptune.resilience.plan import ClusterState, ExecutionPlan, StageMemory
-from steptune.resilience.planners import plan_pp, rebalanced
+from steptune.resilience.planners import plan_pp
 from steptune.resilience.policies import Memoized, restart_plan
 from steptune.resilience.sim import Decision, SimContext, dp_sync_s, pipeline_time, reconfig_cost
+from steptune.resilience.steptime import rebalanced
 
 __all__ = ["Oobleck", "ReCycle", "oobleck_reinstantiate", "recycle_step_time"]
 
