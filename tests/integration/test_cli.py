@@ -54,6 +54,7 @@ def test_demo_writes_report(tmp_path):
     assert (tmp_path / "resilience" / "false_alarms.png").stat().st_size > 0
     assert "Recovery policies, SIMULATED llama2-7b" in report
     assert (tmp_path / "resilience" / "policies_vs_oracle.png").stat().st_size > 0
+    assert "Fail-stop in your own DP loop (MEASURED, 3 gloo ranks, rank 1 SIGKILLed in step 2)" in report
     assert "Adversarial candidates (softmax): verdicts" in report
     assert (tmp_path / "kernels" / "kernels_demo.json").stat().st_size > 0
     assert "comm (TIDE): zero-copy FSDP2 collectives on gloo" in report

@@ -3,7 +3,8 @@ predictor, the detectors (ResiHP's, fixed threshold, change point, heartbeat), s
 runs and on a real 128-GPU trace, and the progressive TP -> PP -> DP planner (pure functions, unit
 tested), the baseline policies and the 256-GPU simulator (issue #7), and the first part of the
 real runtime (issue #8): ``Runtime`` for live training loops (fail-slow detection, DP rebalancing,
-emulated device time), DP fail-stop survival without restarts (``failstop``), a live DP x PP pipeline
+emulated device time), DP fail-stop survival without restarts (``failstop``; in your own loop:
+``elastic``), a live DP x PP pipeline
 whose planner moves layers between processes (``pipelined``), a live DP x TP job with ResiHP's
 selective TP exclusion and readmission (``tensorpar``), and the simulator's prediction of the DP and PP
 runs (``livesim``). Slow links: injected, detected and localized live in the DP job (no adaptation;
@@ -18,6 +19,7 @@ _EXPORTS = {
     "ChangePointDetector": "steptune.resilience.detect",
     "FixedThresholdDetector": "steptune.resilience.detect",
     "HeartbeatMonitor": "steptune.resilience.detect",
+    "Elastic": "steptune.resilience.elastic",
     "ResiHPConfig": "steptune.resilience.detect",
     "ResiHPDetector": "steptune.resilience.detect",
     "ClusterState": "steptune.resilience.plan",
@@ -38,6 +40,7 @@ __all__ = [
     "Alarm",
     "ChangePointDetector",
     "ClusterState",
+    "Elastic",
     "ExecutionPlan",
     "FixedThresholdDetector",
     "HeartbeatMonitor",

@@ -505,7 +505,8 @@ def register(sub: Any) -> None:
         "--runs",
         type=positive_int,
         default=20,
-        help="simulated runs per detector and case (default %(default)s)",
+        help="simulated runs, one injected failure each; every detector scores the same runs "
+        "(default %(default)s)",
     )
     d.add_argument("--steps", type=positive_int, default=80, help="steps per run (default %(default)s)")
     d.add_argument(
@@ -605,7 +606,9 @@ def register(sub: Any) -> None:
         help="wall seconds per emulated device second (default %(default)s)",
     )
     fs.add_argument("--seed", type=int, default=0, help="seed of the model and data (default %(default)s)")
-    fs.add_argument("--json", type=output_file, default=None, help="also write the three runs here (JSON)")
+    fs.add_argument(
+        "--json", type=output_file, default=None, help="also write the runs and their comparison here (JSON)"
+    )
     fs.set_defaults(func=_failstop)
     t = verbs.add_parser("trace", help="replay the real 128-GPU straggler trace through every detector")
     t.add_argument("--path", type=Path, default=None, help="trace parquet (default: the shared copy)")

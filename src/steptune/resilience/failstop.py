@@ -31,6 +31,8 @@ import queue
 import signal
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -46,6 +48,7 @@ from steptune.resilience.workload import StageModel
 __all__ = [
     "CommitFailed",
     "Rejoined",
+    "Snapshots",
     "adopt_pending",
     "commit",
     "compare_failstop",
@@ -53,11 +56,13 @@ __all__ = [
     "injected",
     "rejoin",
     "run_failstop",
+    "split_sync",
 ]
 
 
 def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, seed: int, step: int,
-                stage: StageModel, time_scale: float, die_before_allreduce: bool) -> float:  # fmt: skip
+                stage: StageModel, time_scale: float, die_before_allreduce: bool,
+                synced: Any = None) -> float:  # fmt: skip
     mbs, toks = global_batch(seed, step)
     total = sum(t.shape[1] - 1 for t in toks)
     costs = [sum(stage.time(mb, p) for p in ("F", "B", "W")) for mb in mbs]
@@ -72,7 +77,7 @@ def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, s
             time.sleep(rest)
     if die_before_allreduce:
         os.kill(os.getpid(), signal.SIGKILL)  # a hard failure, mid-step, before the gradients are shared
-    return sum_and_step(list(model.parameters()), opt, group, loss_sum)
+    return sum_and_step(list(model.parameters()), opt, group, loss_sum, timed=synced)
 
 
 def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) -> None:
@@ -92,14 +97,15 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
         opt.load_state_dict(state["opt"])
         step, losses = state["step"], state["losses"]
     group = new_gloo_group(store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout)
-    snapshots: dict[int, Any] = {}
+    snapshots = Snapshots(model, opt)
     while step < steps:
-        snapshots = {step: (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))}
+        snapshots.take(step)
         die = orig == spec.get("kill_rank") and step == spec.get("kill_step") and not spec.get("resume")
         try:
             losses[step] = _train_step(
-                model, opt, group, members.index(orig), len(members), seed, step, stage, scale, die
-            )
+                model, opt, group, members.index(orig), len(members), seed, step, stage, scale, die,
+                split_sync(spec, orig, step, gen),
+            )  # fmt: skip
             step += 1
             if (
                 ckpt
@@ -129,8 +135,7 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
                 store, orig, gen, step, timeout, die=injected(spec, "recovery_kills", orig, gen)
             )
             if resume != step:  # got further than a peer: back to the common safe point
-                model.load_state_dict(snapshots[resume][0])
-                opt.load_state_dict(snapshots[resume][1])
+                snapshots.restore(resume, orig)
                 step = resume
                 losses = {k: v for k, v in losses.items() if k < resume}
     out.put((orig, {k: losses[k] for k in sorted(losses)}, {"generation": gen}))
@@ -146,11 +151,12 @@ def doomed(spec: dict[str, Any], orig: int, step: int) -> bool:
     return (orig, step) in kills
 
 
-def injected(spec: dict[str, Any], what: str, orig: int, gen: int) -> bool:
-    """Whether ``spec[what]`` ([[rank, generation], ...]) kills rank ``orig`` during the recovery to
-    generation ``gen``: ``recovery_kills`` as it rejoins, ``copy_kills`` as it copies state (PP, TP),
-    ``commit_kills`` and ``commit_misses`` in the commit that ends the copy (see ``commit``)."""
-    return [orig, gen] in spec.get(what, [])
+def injected(spec: dict[str, Any], what: str, orig: int, when: int) -> bool:
+    """Whether ``spec[what]`` ([[rank, generation or step], ...]) injects a fault into rank ``orig`` at
+    ``when``: during the recovery to a generation, ``recovery_kills`` as it rejoins, ``copy_kills`` as it
+    copies state (PP, TP), ``commit_kills`` and ``commit_misses`` in the commit that ends the copy (see
+    ``commit``); in a step, ``sync_kills`` and ``sync_misses`` (see ``split_sync``)."""
+    return [orig, when] in spec.get(what, [])
 
 
 class Rejoined(NamedTuple):
@@ -161,6 +167,56 @@ class Rejoined(NamedTuple):
     resume: int  # the step to resume from: the lowest one any survivor was at
     generation: int
     epoch: int  # the highest layout epoch any survivor committed (see ``commit``)
+
+
+class Snapshots:
+    """The state (``state_dict``) of modules and optimizers at the start of the current step and of the one
+    before. A survivor can be one step ahead of the others: that step's all-reduce completed on it but
+    failed on another survivor (a death inside it, see ``split_sync``). It then goes back to the step the
+    survivors agreed to resume from (``restore``)."""
+
+    def __init__(self, *stateful: Any) -> None:
+        self._objs = list(stateful)
+        self._kept: dict[int, list[Any]] = {}
+
+    def take(self, step: int) -> None:
+        """At the start of ``step`` (the one before is kept too)."""
+        self._kept = {k: v for k, v in self._kept.items() if k == step - 1}
+        self._kept[step] = [copy.deepcopy(o.state_dict()) for o in self._objs]
+
+    def restore(self, step: int, orig: int) -> None:
+        if step not in self._kept:
+            raise RuntimeError(
+                f"rank {orig}: the survivors resume from step {step}, and this rank holds the start of steps "
+                f"{sorted(self._kept)} only"
+            )
+        for o, state in zip(self._objs, self._kept[step], strict=True):
+            o.load_state_dict(state)
+
+    def clear(self) -> None:
+        """After a recovery that moved state (the copies are older than it); the next ``take`` refills."""
+        self._kept = {}
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of the modules (an abandoned step's partial ones)."""
+        for o in self._objs:
+            if isinstance(o, nn.Module):
+                for prm in o.parameters():
+                    prm.grad = None
+
+
+@contextmanager
+def split_sync(spec: dict[str, Any], orig: int, step: int, gen: int) -> Iterator[None]:
+    """Around a step's gradient all-reduce (``live.sum_and_step``'s ``timed``), fault injection of its
+    split outcome, a death inside it: ``sync_kills`` ([[rank, step], ...]) die once it completed,
+    ``sync_misses`` see it fail although it completed (before the optimizer step), so the survivors that
+    completed it are one step ahead of those that did not. Only before any recovery (``gen`` 0): the
+    step is redone after it."""
+    yield
+    if gen == 0 and injected(spec, "sync_kills", orig, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if gen == 0 and injected(spec, "sync_misses", orig, step):
+        raise RuntimeError(f"rank {orig}: injected: the all-reduce of step {step} is seen as failed")
 
 
 def rejoin(
@@ -213,13 +269,15 @@ def commit(group: Any, spec: dict[str, Any] | None = None, orig: int = -1, gen: 
         raise CommitFailed(f"rank {orig}: injected: the commit of generation {gen} is seen as failed")
 
 
-def adopt_pending(agreed: int, epoch: int, pending: Any, orig: int) -> bool:
+def adopt_pending(agreed: int, epoch: int, pending: Any, orig: int, *, rolled_back: bool = False) -> bool:
     """After ``rejoin``: whether this rank, at layout epoch ``epoch`` with ``pending`` (the layout its last
     failed commit was for, or None), must adopt that layout because another survivor committed it
-    (``agreed``). Raises when the epochs cannot be reconciled (a bug, not a fault)."""
+    (``agreed``). Raises when the epochs cannot be reconciled (a bug, not a fault), or when the rank has
+    just ``rolled_back`` to a snapshot, which predates the copy. (Neither can happen: a committed rank
+    cannot finish a step without the ranks whose commit failed.)"""
     if agreed == epoch:
         return False
-    if agreed == epoch + 1 and pending is not None:
+    if agreed == epoch + 1 and pending is not None and not rolled_back:
         return True
     raise RuntimeError(
         f"rank {orig}: survivors committed layout epoch {agreed}, this rank is at {epoch}"
@@ -326,6 +384,10 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
     while len(finished) < len(alive) and time.time() < deadline:
         try:
             rank, losses, info = out.get(timeout=0.05)
+            if "error" in info:  # the worker's own code raised: not a death for the others to survive
+                for p in procs.values():
+                    p.kill()
+                raise RuntimeError(f"rank {rank} raised (the job is stopped):\n{info['error']}")
             finished[rank], infos[rank] = losses, info
             continue
         except queue.Empty:

@@ -21,7 +21,6 @@ processes in the same post-failure layout and load the last checkpoint, and redo
 
 from __future__ import annotations
 
-import copy
 import datetime
 import gc
 import os
@@ -38,6 +37,7 @@ import torch
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.resilience.failstop import (
     CommitFailed,
+    Snapshots,
     adopt_pending,
     commit,
     compare_failstop,
@@ -45,6 +45,7 @@ from steptune.resilience.failstop import (
     injected,
     rejoin,
     run_failstop,
+    split_sync,
 )
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model, sum_and_step
 from steptune.resilience.pipelined import _BYTES_PER_PARAM, _layers, _Stage, run_stage
@@ -211,13 +212,16 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
         info["recoveries"].append({"from": "checkpoint", "step": step, "pipes": pipes})
     link = link_bandwidth(spec.get("cluster", "dgx-h100"), world)
     real_block_bytes = sum(x.params for x in full.layers) * _BYTES_PER_PARAM / blocks
-    snapshot: tuple[int, Any, Any] = (0, None, None)
+    snapshots = Snapshots(*layers, opt)
     epoch, pending = 0, None  # committed state copies; the layout of this rank's last failed commit
     while step < steps:
-        snapshot = (step, [copy.deepcopy(m.state_dict()) for m in layers], copy.deepcopy(opt.state_dict()))
+        snapshots.take(step)
         die = doomed(spec, orig, step)
         try:
-            losses[step] = _pipe_step(me, pipes, members, orig, step, spec, full, param_layer, params, die)
+            synced = split_sync(spec, orig, step, gen)
+            losses[step] = _pipe_step(
+                me, pipes, members, orig, step, spec, full, param_layer, params, die, synced
+            )
             step += 1
             if ckpt and spec.get("checkpoint_every") and step % int(spec["checkpoint_every"]) == 0:
                 _save(ckpt, orig, step, me, losses)
@@ -237,17 +241,16 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
                 store, orig, gen, step, timeout, epoch=epoch, die=injected(spec, "recovery_kills", orig, gen)
             )
             me.group, me.rank = group, members.index(orig)
-            if adopt_pending(agreed, epoch, pending, orig):  # a peer committed where this rank failed
+            rolled_back = resume != step
+            if rolled_back:  # got further than a peer: back to the common safe point
+                snapshots.restore(resume, orig)
+                step = resume
+                losses = {k: v for k, v in losses.items() if k < step}
+            if adopt_pending(agreed, epoch, pending, orig, rolled_back=rolled_back):  # a peer committed it
                 pipes, epoch = pending, agreed
                 _own(me, pipes, orig, num_layers)
                 info["recoveries"].append({"from": "committed by peers", "step": step, "pipes": pipes})
             pending = None
-            if resume != step:  # got further than a peer: back to the common safe point
-                step, states, opt_state = snapshot
-                for m, st in zip(layers, states, strict=True):
-                    m.load_state_dict(st)
-                opt.load_state_dict(opt_state)
-                losses = {k: v for k, v in losses.items() if k < step}
             t0 = time.perf_counter()
             new = survivor_pipes(pipes, members, num_layers)
             try:
@@ -259,6 +262,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
                 _own(me, pipes, orig, num_layers)
                 step, losses = _load_latest(ckpt, me, num_layers)
                 info["recoveries"].append({"from": "checkpoint", "step": step, "pipes": pipes})
+                snapshots.clear()
                 break
             try:
                 if injected(spec, "copy_kills", orig, gen):
@@ -279,6 +283,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
                 {"from": "peers", "step": step, "moves": moves, "pipes": pipes,
                  "restore_s": time.perf_counter() - t0}
             )  # fmt: skip
+            snapshots.clear()
             failed = False
     out.put((orig, {k: losses[k] for k in sorted(losses)}, {**info, "pipes": pipes}))
 
@@ -296,8 +301,10 @@ def _emulated(seconds: float, on_enter: Any = None) -> Iterator[None]:
 
 
 def _pipe_step(me: _Stage, pipes: Pipes, members: list[int], orig: int, step: int, spec: dict[str, Any],
-               full: Any, param_layer: list[int], params: list[Any], die: bool) -> float:  # fmt: skip
-    """One training step of this rank: its stage of its pipeline, then the layer-wise gradient sync."""
+               full: Any, param_layer: list[int], params: list[Any], die: bool,
+               synced: Any = None) -> float:  # fmt: skip
+    """One training step of this rank: its stage of its pipeline, then the layer-wise gradient sync
+    (``synced``: a context around its all-reduces)."""
     seed, scale = int(spec["seed"]), float(spec["time_scale"])
     num_layers = len(me.layers)
     mbs, tokens = global_batch(seed, step)
@@ -326,7 +333,7 @@ def _pipe_step(me: _Stage, pipes: Pipes, members: list[int], orig: int, step: in
 
         loss_sum = run_stage(me, prev, nxt, s, len(pipe), assignment[p], tokens, total, timed)
     owned = {k for k, i in enumerate(param_layer) if i in me.owned}
-    return sum_and_step(params, me.opt, me.group, loss_sum, owned)
+    return sum_and_step(params, me.opt, me.group, loss_sum, owned, timed=synced)
 
 
 def run_failstop_pipe(spec: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,6 @@ some unit, the job stops with an error naming the units (a checkpoint would be t
 
 from __future__ import annotations
 
-import copy
 import datetime
 import gc
 import os
@@ -32,12 +31,14 @@ from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.pipeline.stages import lm_loss
 from steptune.resilience.failstop import (
     CommitFailed,
+    Snapshots,
     adopt_pending,
     commit,
     compare_failstop,
     doomed,
     injected,
     rejoin,
+    split_sync,
 )
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model
 from steptune.resilience.planners import plan_dp
@@ -118,14 +119,17 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
     link = link_bandwidth(spec.get("cluster", "dgx-h100"), world)
     step, losses = 0, {}
     info: dict[str, Any] = {"recoveries": []}
-    snapshot: tuple[int, Any, Any] = (0, None, None)
+    snapshots = Snapshots(model, opt)
     epoch, pending = 0, None  # committed shard copies; the owners of this rank's last failed commit
     while step < steps:
-        snapshot = (step, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        snapshots.take(step)
         die = doomed(spec, orig, step)
         try:
             g_owners = _renumber(owners, members_)
-            losses[step] = _tp_step(model, opt, group, members_.index(orig), g_owners, step, spec, full, die)
+            synced = split_sync(spec, orig, step, gen)
+            losses[step] = _tp_step(
+                model, opt, group, members_.index(orig), g_owners, step, spec, full, die, synced
+            )
             step += 1
         except RuntimeError:
             failed = True
@@ -140,15 +144,15 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             members_, group, resume, gen, agreed = rejoin(
                 store, orig, gen, step, timeout, epoch=epoch, die=injected(spec, "recovery_kills", orig, gen)
             )
-            if adopt_pending(agreed, epoch, pending, orig):  # a peer committed where this rank failed
+            rolled_back = resume != step
+            if rolled_back:  # got further than a peer: back to the common safe point
+                snapshots.restore(resume, orig)
+                step = resume
+                losses = {k: v for k, v in losses.items() if k < step}
+            if adopt_pending(agreed, epoch, pending, orig, rolled_back=rolled_back):  # a peer committed it
                 owners, epoch = pending, agreed
                 info["recoveries"].append({"from": "committed by peers", "step": step, "owners": owners})
             pending = None
-            if resume != step:  # got further than a peer: back to the common safe point
-                step, model_state, opt_state = snapshot
-                model.load_state_dict(model_state)
-                opt.load_state_dict(opt_state)
-                losses = {k: v for k, v in losses.items() if k < step}
             t0 = time.perf_counter()
             new = survivor_owners(owners, members_)
             moves = restore_moves(owners, new, members_)  # LookupError: no copy left (stated, not hidden)
@@ -173,13 +177,15 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
                 {"from": "peers", "step": step, "moves": moves, "owners": owners,
                  "restore_s": time.perf_counter() - t0}
             )  # fmt: skip
+            snapshots.clear()
             failed = False
     out.put((orig, {k: losses[k] for k in sorted(losses)}, {**info, "owners": owners}))
 
 
 def _tp_step(model: TPModel, opt: Any, group: Any, rank: int, owners: Owners, step: int,
-             spec: dict[str, Any], full: Any, die: bool) -> float:  # fmt: skip
-    """One step of this rank (group ranks in ``owners``): its replica's microbatches, then the sync."""
+             spec: dict[str, Any], full: Any, die: bool, synced: Any = None) -> float:  # fmt: skip
+    """One step of this rank (group ranks in ``owners``): its replica's microbatches, then the sync
+    (``synced``: a context around its all-reduces)."""
     seed, scale = int(spec["seed"]), float(spec["time_scale"])
     mbs, tokens = global_batch(seed, step)
     total = sum(t.shape[1] - 1 for t in tokens)
@@ -204,7 +210,7 @@ def _tp_step(model: TPModel, opt: Any, group: Any, rank: int, owners: Owners, st
             rest = costs[i] * fraction * scale - (time.perf_counter() - t0)
             if rest > 0:
                 time.sleep(rest)
-    return _sync_and_step(model, opt, group, loss_sum, rank, owners)
+    return _sync_and_step(model, opt, group, loss_sum, rank, owners, synced)
 
 
 def compare_failstop_tp(spec: dict[str, Any], reference: list[float] | None = None) -> dict[str, Any]:

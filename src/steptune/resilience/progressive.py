@@ -1,7 +1,7 @@
 """ResiHP's progressive TP -> PP -> DP adaptation, as one pure function over an ExecutionPlan.
 
 ``progressive_replan`` tries TP exclusion, then a PP repartition, then DP microbatch counts, each behind the
-``should_apply`` ski-rental gate on the step-time model of ``planners``, and returns one line per decision.
+``should_apply`` ski-rental gate on the step-time model of ``steptime``, and returns one line per decision.
 Contract: nothing here touches torch.distributed and the arguments are never mutated; the result is the
 input plan itself if nothing changed, else a new plan with version + 1. Heuristic: the PP candidate set
 and the per-group greedy TP gating (each step uses the exact planner of its axis).

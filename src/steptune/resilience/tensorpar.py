@@ -32,8 +32,10 @@ Each step:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -331,10 +333,11 @@ def _moves(old: Owners, new: Owners) -> list[tuple[int | None, int, int]]:
 
 def _sync_and_step(
     model: TPModel, opt: torch.optim.Optimizer, group: Any, loss_sum: torch.Tensor, rank: int,
-    owners: Owners,
+    owners: Owners, synced: AbstractContextManager[None] | None = None,
 ) -> float:  # fmt: skip
     """World sum of gradients per unit (owner contributes) and of replicated tensors (leader
-    contributes); each rank then keeps the gradient of what it holds and steps."""
+    contributes); each rank then keeps the gradient of what it holds and steps. ``synced``: a context
+    around the all-reduces (fault injection: ``failstop.split_sync``)."""
     mine = held(rank, owners)
     unit = _FFN // len(owners[0])
     split = dict(model.sharded())
@@ -347,8 +350,9 @@ def _sync_and_step(
         return p.grad.reshape(-1)
 
     flat = torch.cat([contribution(p) for p in params])
-    group.allreduce([flat]).wait()
-    group.allreduce([loss_sum]).wait()
+    with synced or contextlib.nullcontext():
+        group.allreduce([flat]).wait()
+        group.allreduce([loss_sum]).wait()
     off = 0
     for p in params:
         g = flat[off : off + p.numel()].view_as(p).clone()

@@ -148,3 +148,41 @@ def test_a_split_tp_commit_is_adopted_by_the_survivor_that_saw_it_fail():
     assert adopted[1]["owners"] == ((0, 0, 0, 0, 1, 1, 1, 1), (2,) * 8), res
     assert res["infos"][1]["owners"] == res["infos"][2]["owners"] == ((1,) * 8, (2,) * 8), res
     assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(7)) <= 1e-5, res
+
+
+def test_a_step_whose_all_reduce_completes_on_some_survivors_only_is_rolled_back_there():
+    # Step 3's gradient all-reduce splits as a death inside it can split it: it completes on ranks 0, 1
+    # and 3, rank 1 dies right after, rank 2 sees it fail. Ranks 0 and 3 have stepped and fail in step 4;
+    # the survivors resume from step 3, so those two go back to their snapshot of step 3's start.
+    spec = {"ranks": 4, "steps": 6, "seed": 0, "sync_kills": [[1, 3]], "sync_misses": [[2, 3]],
+            "time_scale": 0.005, "mode": "survive", "timeout_s": 120}  # fmt: skip
+    res = run_failstop(spec)
+    ref = reference_losses(spec, proxy_model(0))
+    assert res["survivors"] == [0, 2, 3], res
+    assert sorted(res["losses"]) == list(range(6)), res
+    assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(6)) <= 1e-5, res
+
+
+def test_a_split_step_in_the_pipeline_job_rolls_back_then_copies_the_lost_stage():
+    # dp=2 x pp=2: step 5's all-reduce completes on ranks 0, 1 and 3, rank 3 dies right after, rank 2
+    # sees it fail. Ranks 0 and 1 roll back to step 5; rank 2 then takes stage 1's layers from rank 1.
+    spec = {"dp": 2, "pp": 2, "steps": 8, "seed": 0, "sync_kills": [[3, 5]], "sync_misses": [[2, 5]],
+            "time_scale": 0.005, "mode": "survive", "timeout_s": 150}  # fmt: skip
+    res = run_failstop_pipe(spec)
+    ref = reference_losses(spec, reference_model(spec))
+    assert res["survivors"] == [0, 1, 2], res
+    for r in (0, 1, 2):
+        assert [(x["from"], x["step"]) for x in res["infos"][r]["recoveries"]] == [("peers", 5)], res
+    assert sorted(res["losses"]) == list(range(8)), res
+    assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(8)) <= 1e-5, res
+
+
+def test_a_split_step_in_the_tp_job_rolls_back_then_copies_the_lost_shard():
+    spec = {"dp": 2, "tp": 2, "ranks": 4, "steps": 7, "seed": 0, "sync_kills": [[3, 5]],
+            "sync_misses": [[2, 5]], "time_scale": 0.005, "mode": "survive", "timeout_s": 150}  # fmt: skip
+    res = run_failstop(spec, _tp_worker)
+    model, forward = reference_model_tp(spec)
+    ref = reference_losses(spec, model, forward)
+    assert res["survivors"] == [0, 1, 2], res
+    assert res["infos"][2]["owners"] == ((0, 0, 0, 0, 1, 1, 1, 1), (2,) * 8), res
+    assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(7)) <= 1e-5, res

@@ -1,0 +1,226 @@
+"""Fail-stop survival in your own data-parallel training loop: when a rank dies, the others rebuild their
+gloo group among themselves and redo the interrupted step, without a restart.
+
+    from steptune.resilience.elastic import Elastic, launch
+
+    def train(ctx: Elastic, steps: int) -> dict[int, float]:
+        torch.manual_seed(0)  # every rank builds the same model
+        model = build_model()
+        opt = torch.optim.AdamW(model.parameters())
+        ctx.track(model, opt)  # snapshotted at each step's start: the safe point
+        losses = {}
+        while ctx.step < steps:
+            with ctx.attempt():  # a peer's death: the step is abandoned here and redone
+                items = global_batch(ctx.step)  # the same global batch on every rank
+                loss = sum(loss_fn(model, items[i]) for i in ctx.shard(len(items))) / len(items)
+                loss.backward()
+                losses[ctx.step] = ctx.sync(model, loss)  # SUM of gradients and loss over the survivors
+                opt.step()
+                opt.zero_grad()
+        return losses
+
+    result = launch(train, 4, 100)  # 4 processes; train(ctx, 100) in each
+
+Contract. ``launch`` keeps the ``TCPStore`` in the calling process, so it outlives any rank; it spawns the
+ranks, sees a death, and lists the survivors (``failstop.run_failstop``). In a rank, a collective that
+fails inside ``attempt`` (gloo raises ``RuntimeError`` within milliseconds of a peer's death) ends that
+attempt; the next ``attempt`` rejoins the survivors (``failstop.rejoin``: a second death while rejoining
+is survived too), and a rank that got one step further than another (that step's all-reduce completed on
+it only) rolls back to its snapshot. ``ctx.rank`` and ``ctx.world`` change then, so take each step's
+share from them (``shard``). Scale each rank's loss by the global batch, not the share: the summed update
+is then the same for any number of ranks, and the loss trajectory matches a failure-free run up to fp32
+summation order. Only what ``track`` was given is rolled back; keep per-step results keyed by
+``ctx.step`` (a redone step overwrites its entry). DP only: every rank holds the whole model; sharded
+state (FSDP, TP, PP) needs the copies of ``failstop_pipe`` / ``failstop_tp``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import signal
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from steptune.core.dist import abort_group, connect_store, new_gloo_group
+from steptune.resilience.failstop import Snapshots, rejoin, run_failstop
+
+__all__ = ["Elastic", "PeerLost", "launch", "toy_train"]
+
+
+class PeerLost(RuntimeError):
+    """A collective of ``Elastic`` failed: a peer died (``attempt`` recovers from it)."""
+
+
+class Elastic:
+    """One rank's view of the elastic job (built by ``launch``; passed to the training function)."""
+
+    def __init__(self, store: Any, orig: int, members: list[int], *, timeout_s: float = 20.0) -> None:
+        self.orig = orig  # the rank this process was started as; never changes
+        self.members = members  # surviving original ranks, in group-rank order
+        self.step = 0
+        self.generation = 0
+        self.recoveries: list[dict[str, Any]] = []
+        self._store = store
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._group: Any = new_gloo_group(
+            store, members.index(orig), len(members), prefix="gen0", timeout=self._timeout
+        )
+        self._snapshots: Snapshots | None = None
+        self._failed = False
+
+    @property
+    def rank(self) -> int:
+        """This rank among the survivors (0..world-1)."""
+        return self.members.index(self.orig)
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    def track(self, *objs: Any) -> None:
+        """Modules and optimizers (anything with ``state_dict``/``load_state_dict``) to snapshot at each
+        step's start and roll back when this rank got further than a peer."""
+        self._snapshots = Snapshots(*objs)
+
+    def shard(self, n: int) -> range:
+        """This rank's share of ``n`` global items: every ``world``-th, from ``rank``."""
+        return range(self.rank, n, self.world)
+
+    def sync(self, model: nn.Module, loss: torch.Tensor | float | None = None) -> float:
+        """All-reduce (SUM) ``model``'s gradients and ``loss`` over the survivors; returns the summed loss
+        (0.0 without one). Gradients travel in fp32 (one message) and come back in their own dtype. Raises
+        ``PeerLost`` if a peer died (``attempt`` handles it)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.grad.reshape(-1).float() if p.grad is not None else torch.zeros(p.numel()) for p in params]
+        flat = torch.cat(grads)
+        total = torch.tensor([float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)])
+        self.all_reduce(flat)
+        self.all_reduce(total)
+        off = 0
+        for p in params:
+            p.grad = flat[off : off + p.numel()].view_as(p).to(p.dtype, copy=True)
+            off += p.numel()
+        return float(total.item())
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """SUM ``tensor`` in place over the survivors (for metrics or your own synchronisation). Raises
+        ``PeerLost`` if a peer died."""
+        if self._group is None:
+            raise RuntimeError(
+                "the group is gone after a peer's death: call ctx.sync / ctx.all_reduce inside "
+                "ctx.attempt(), which rejoins the survivors first"
+            )
+        try:
+            self._group.allreduce([tensor]).wait()
+        except RuntimeError as err:
+            raise PeerLost(str(err)) from None  # no chained traceback holding the group's frames
+        return tensor
+
+    @contextmanager
+    def attempt(self) -> Iterator[None]:
+        """One try of step ``self.step``: on success the step advances; a failed collective inside it
+        (``PeerLost``) abandons the step (the exception is swallowed) and the next ``attempt`` recovers
+        first. Any other exception is yours and propagates."""
+        if self._failed:
+            self._recover()
+        if self._snapshots is None:
+            raise RuntimeError("call ctx.track(model, optimizer, ...) before the first ctx.attempt()")
+        self._snapshots.take(self.step)
+        try:
+            yield
+        except PeerLost:
+            # Drop the broken group here; recovery waits for the next attempt, outside this exception,
+            # whose traceback can hold frames that reach the group (its sockets close once it is freed).
+            abort_group(self._group)
+            self._group = None
+            self._failed = True
+        else:
+            self.step += 1
+
+    def _recover(self) -> None:
+        gc.collect()
+        assert self._snapshots is not None
+        self._snapshots.zero_grad()  # the abandoned step's partial gradients
+        joined = rejoin(self._store, self.orig, self.generation + 1, self.step, self._timeout)
+        self.members, self._group, self.generation = joined.members, joined.group, joined.generation
+        if joined.resume != self.step:  # got further than a peer: back to the common safe point
+            self._snapshots.restore(joined.resume, self.orig)
+        self.recoveries.append(
+            {"generation": self.generation, "failed_at_step": self.step, "resume_step": joined.resume,
+             "members": list(self.members)}
+        )  # fmt: skip
+        self.step = joined.resume
+        self._failed = False
+
+
+def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) -> None:
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    store = connect_store(port, timeout=datetime.timedelta(seconds=60))
+    ctx = Elastic(
+        store, orig, list(spec.get("members", range(world))), timeout_s=float(spec["group_timeout_s"])
+    )
+    try:
+        result = spec["fn"](ctx, *spec["args"])
+    except Exception:  # the user's code: reported, not mistaken for a death the others should survive
+        out.put((orig, {}, {"error": traceback.format_exc()}))
+        return
+    out.put((orig, {}, {"result": result, "generation": ctx.generation, "recoveries": ctx.recoveries}))
+
+
+def launch(
+    fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 600.0, group_timeout_s: float = 20.0,
+    threads: int = 1,
+) -> dict[str, Any]:  # fmt: skip
+    """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes on loopback gloo (``fn`` and ``args`` must
+    pickle: a module-level function). Returns ``{"results": {orig rank: fn's return value}, "survivors",
+    "recoveries": {orig rank: [...]}, "wall_s"}``. Raises ``RuntimeError`` with the traceback when ``fn``
+    raises on a rank, ``TimeoutError`` past ``timeout_s``."""
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    spec = {"ranks": nprocs, "mode": "survive", "timeout_s": timeout_s, "fn": fn, "args": args,
+            "group_timeout_s": group_timeout_s, "threads": threads}  # fmt: skip
+    res = run_failstop(spec, _worker)
+    return {
+        "results": {r: info["result"] for r, info in sorted(res["infos"].items())},
+        "survivors": res["survivors"],
+        "recoveries": {r: info["recoveries"] for r, info in sorted(res["infos"].items())},
+        "wall_s": res["wall_s"],
+    }
+
+
+def toy_train(
+    ctx: Elastic, steps: int, kills: list[list[int]] | None = None, errors: list[list[int]] | None = None,
+    seed: int = 0,
+) -> dict[int, float]:  # fmt: skip
+    """The loop of the module docstring on a small MLP (the tests' training function): every step a
+    global batch of 24 items from ``seed`` and the step, this rank's share of it, AdamW. Fault injection
+    ([[rank, step], ...]): ``kills`` SIGKILL that rank mid-step, after its backward and before the sync;
+    ``errors`` raise a ``RuntimeError`` there (a bug in the loop, which must stop the job)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ctx.track(model, opt)
+    losses: dict[int, float] = {}
+    while ctx.step < steps:
+        with ctx.attempt():
+            g = torch.Generator().manual_seed(seed * 100_003 + ctx.step)
+            x = torch.randn(24, 16, generator=g)
+            y = torch.sin(x.sum(1, keepdim=True))
+            mine = list(ctx.shard(len(x)))
+            loss = ((model(x[mine]) - y[mine]) ** 2).sum() / len(x)
+            loss.backward()
+            if [ctx.orig, ctx.step] in (kills or []):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if [ctx.orig, ctx.step] in (errors or []):
+                raise RuntimeError(f"injected: a bug in rank {ctx.orig}'s step {ctx.step}")
+            losses[ctx.step] = ctx.sync(model, loss)
+            opt.step()
+            opt.zero_grad()
+    return losses

@@ -1,0 +1,73 @@
+"""Fail-stop survival in a user's own DP loop (``resilience.elastic``): a SIGKILLed rank's peers rejoin
+and redo the step; the losses match a failure-free single-process run of the same loop."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from steptune.core.dist import master_store
+from steptune.resilience.elastic import Elastic, launch, toy_train
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
+
+
+def _max_rel(losses, ref):
+    return max(abs(losses[k] - ref[k]) / abs(ref[k]) for k in ref)
+
+
+def test_survivors_of_a_death_mid_step_continue_and_match_the_failure_free_losses():
+    ref = launch(toy_train, 1, 8)["results"][0]
+    res = launch(toy_train, 4, 8, [[2, 3]])  # rank 2 dies in step 3, after its backward, before the sync
+    assert res["survivors"] == [0, 1, 3], res
+    for rank in (0, 1, 3):
+        assert sorted(res["results"][rank]) == list(range(8)), res
+        assert _max_rel(res["results"][rank], ref) <= 1e-5, res
+        (rec,) = res["recoveries"][rank]
+        assert rec == {"generation": 1, "failed_at_step": 3, "resume_step": 3, "members": [0, 1, 3]}, rec
+
+
+def test_two_deaths_in_different_steps_leave_two_survivors_on_the_same_trajectory():
+    ref = launch(toy_train, 1, 8)["results"][0]
+    res = launch(toy_train, 4, 8, [[1, 2], [3, 5]])
+    assert res["survivors"] == [0, 2], res
+    assert [r["members"] for r in res["recoveries"][0]] == [[0, 2, 3], [0, 2]], res
+    assert _max_rel(res["results"][2], ref) <= 1e-5, res
+
+
+def test_an_error_in_the_loop_stops_the_job_instead_of_being_survived():
+    # A RuntimeError of the user's own code is not a peer's death: it must not be swallowed by attempt()
+    # (the others would then wait for a member list that never comes).
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=r"rank 1 raised(.|\n)*injected: a bug in rank 1's step 2"):
+        launch(toy_train, 3, 6, None, [[1, 2]], timeout_s=120)
+    assert time.time() - t0 < 60
+
+
+def test_attempt_without_track_says_what_to_call():
+    ctx = Elastic(master_store(), 0, [0], timeout_s=5)
+    with pytest.raises(RuntimeError, match=r"call ctx.track\(model, optimizer"), ctx.attempt():
+        pass
+
+
+def test_the_example_survives_its_kill():
+    script = Path(__file__).resolve().parents[3] / "examples" / "elastic_dp.py"
+    out = subprocess.run([sys.executable, str(script), "--ranks", "3", "--steps", "6", "--kill", "1:2"],
+                         capture_output=True, text=True, timeout=180, check=True).stdout  # fmt: skip
+    assert "failed in step 2, resumed at step 2 with ranks [0, 2]" in out, out
+    assert "survivors [0, 2]: 6 of 6 steps" in out, out
+    assert float(re.search(r"max relative difference (\S+);", out).group(1)) <= 1e-5, out
+
+
+def test_sync_sums_mixed_dtype_gradients_in_fp32_and_returns_each_in_its_dtype():
+    ctx = Elastic(master_store(), 0, [0], timeout_s=5)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1).to(torch.bfloat16))
+    model[0].weight.grad = torch.ones(2, 3)
+    model[1].weight.grad = torch.full((1, 2), 0.5, dtype=torch.bfloat16)
+    assert ctx.sync(model, torch.tensor(2.0)) == 2.0
+    assert model[1].weight.grad.dtype == torch.bfloat16 and model[1].weight.grad.tolist() == [[0.5, 0.5]]
+    assert model[0].bias.grad.tolist() == [0.0, 0.0]  # no gradient yet: zeros
