@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import datetime
 import gc
+import math
 import os
+import pickle
 import signal
 import traceback
 from collections.abc import Callable, Iterator
@@ -168,22 +170,34 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
     )
     try:
         result = spec["fn"](ctx, *spec["args"])
+        info = {"result": result, "generation": ctx.generation, "recoveries": ctx.recoveries}
+        pickle.dumps(info)  # the queue pickles in a thread of its own, whose failure reaches only stderr
     except Exception:  # the user's code: reported, not mistaken for a death the others should survive
         out.put((orig, {}, {"error": traceback.format_exc()}))
         return
-    out.put((orig, {}, {"result": result, "generation": ctx.generation, "recoveries": ctx.recoveries}))
+    out.put((orig, {}, info))
 
 
 def launch(
-    fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 600.0, group_timeout_s: float = 20.0,
-    threads: int = 1,
+    fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
+    group_timeout_s: float = 20.0, threads: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes on loopback gloo (``fn`` and ``args`` must
     pickle: a module-level function). Returns ``{"results": {orig rank: fn's return value}, "survivors",
     "recoveries": {orig rank: [...]}, "wall_s"}``. Raises ``RuntimeError`` with the traceback when ``fn``
-    raises on a rank, ``TimeoutError`` past ``timeout_s``."""
+    raises on a rank (or returns something that does not pickle), ``TimeoutError`` past ``timeout_s``
+    (default: no limit). ``group_timeout_s``: how long a collective waits for a silent peer."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    try:
+        pickle.dumps((fn, args))
+    except Exception as err:
+        raise ValueError(
+            f"launch: fn and args must pickle, since the spawned ranks import them by name (make fn a "
+            f"module-level function): {err}"
+        ) from None
+    if timeout_s is None:
+        timeout_s = math.inf
     spec = {"ranks": nprocs, "mode": "survive", "timeout_s": timeout_s, "fn": fn, "args": args,
             "group_timeout_s": group_timeout_s, "threads": threads}  # fmt: skip
     res = run_failstop(spec, _worker)

@@ -71,3 +71,11 @@ def test_sync_sums_mixed_dtype_gradients_in_fp32_and_returns_each_in_its_dtype()
     assert ctx.sync(model, torch.tensor(2.0)) == 2.0
     assert model[1].weight.grad.dtype == torch.bfloat16 and model[1].weight.grad.tolist() == [[0.5, 0.5]]
     assert model[0].bias.grad.tolist() == [0.0, 0.0]  # no gradient yet: zeros
+
+
+def test_a_function_that_does_not_pickle_is_refused_and_a_result_that_does_not_pickle_is_named():
+    with pytest.raises(ValueError, match="module-level function"):
+        launch(lambda ctx: 1, 2)
+    # vars(ctx) holds the store; before, the error went to stderr and the run said only "every rank exited"
+    with pytest.raises(RuntimeError, match=r"raised(.|\n)*cannot pickle"):
+        launch(vars, 2, timeout_s=60)
