@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from steptune.memory.frame import Frame, ReplayStats, pack_hook, unpack_hook
+from steptune.memory.inner import flattened_checkpoints
 from steptune.memory.record import Recorder, _external_key
 from steptune.memory.reuse import TemplateCache, run_reused, signature, template_from, unkeyable_argument
 from steptune.memory.tape import ExternalRef, OpNode, Tape, TapeSACError
@@ -55,6 +56,10 @@ class TapeSACConfig:
     :func:`steptune.memory.plan.plan_saves`); blocks it does not name are replay-only."""
     count_flops: bool = False
     """Price each recorded op with torch's FLOP formulas (for reports; costs a little per op)."""
+    inner_checkpoint: str = "flatten"
+    """torch's ``checkpoint`` called inside a block: ``"flatten"`` runs its region as plain code (TapeSAC
+    recomputes the block anyway; keeping it recomputes the region twice), ``"keep"`` leaves it to torch
+    (exact too, with a warning)."""
 
 
 def find_blocks(
@@ -116,6 +121,10 @@ def apply_tapesac_(
     """Wrap ``model``'s blocks in place; returns a :class:`TapeSAC` whose ``remove()`` undoes it.
     Pass an earlier handle's ``templates`` to keep its recorded tapes across remove/apply."""
     config = config or TapeSACConfig()
+    if config.inner_checkpoint not in ("flatten", "keep"):
+        raise ValueError(
+            f"TapeSACConfig(inner_checkpoint={config.inner_checkpoint!r}): use 'flatten' (default) or 'keep'"
+        )
     if getattr(model, "_tapesac", None) is not None:
         raise ValueError("TapeSAC is already applied to this model; call .remove() on it first")
     state = TapeSAC(model, config, find_blocks(model, config.blocks))
@@ -200,6 +209,8 @@ def _run_block(
 ) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if state.config.inner_checkpoint == "flatten":
+        forward = functools.partial(_flattened, state, name, forward)
     if getattr(block, "gradient_checkpointing", False) is True and block.training:
         raise TapeSACError(
             f"HF gradient checkpointing was enabled on TapeSAC block {name!r} after apply_tapesac_; "
@@ -250,6 +261,20 @@ def _run_block(
     if key is not None and state.config.reuse_tapes and not state.templates.seen_ineligible((key, keep)):
         assert frame.plan is not None
         state.templates.put((key, keep), template_from(tape, frame.plan, keep))
+    return out
+
+
+def _flattened(state: TapeSAC, name: str, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with flattened_checkpoints() as seen:
+        out = forward(*args, **kwargs)
+    if seen.count and not state.warned_inner:
+        state.warned_inner = True
+        warnings.warn(
+            f"TapeSAC block {name!r} calls torch's checkpoint inside its forward: TapeSAC runs that region "
+            "as plain code, since it recomputes the block in backward anyway (keeping torch's checkpoint "
+            "would recompute the region twice). TapeSACConfig(inner_checkpoint='keep') keeps it",
+            stacklevel=4,
+        )
     return out
 
 
