@@ -12,14 +12,15 @@ gloo group among themselves and redo the interrupted step, without a restart.
         while ctx.step < steps:
             with ctx.attempt():  # a peer's death: the step is abandoned here and redone
                 items = global_batch(ctx.step)  # the same global batch on every rank
-                loss = sum(loss_fn(model, items[i]) for i in ctx.shard(len(items))) / len(items)
-                loss.backward()
+                loss = sum((loss_fn(model, items[i]) for i in ctx.shard(len(items))), torch.zeros(()))
+                (loss / len(items)).backward()  # by the global batch: the same update for any world
                 losses[ctx.step] = ctx.sync(model, loss)  # SUM of gradients and loss over the survivors
                 opt.step()
                 opt.zero_grad()
         return losses
 
-    result = launch(train, 4, 100)  # 4 processes; train(ctx, 100) in each
+    if __name__ == "__main__":  # spawn re-imports this file in every rank
+        result = launch(train, 4, 100)  # 4 processes; train(ctx, 100) in each
 
 Contract. ``launch`` keeps the ``TCPStore`` in the calling process, so it outlives any rank; it spawns the
 ranks, sees a death, and lists the survivors (``failstop.run_failstop``). In a rank, a collective that
@@ -31,7 +32,11 @@ share from them (``shard``). Scale each rank's loss by the global batch, not the
 is then the same for any number of ranks, and the loss trajectory matches a failure-free run up to fp32
 summation order. Only what ``track`` was given is rolled back; keep per-step results keyed by
 ``ctx.step`` (a redone step overwrites its entry). DP only: every rank holds the whole model; sharded
-state (FSDP, TP, PP) needs the copies of ``failstop_pipe`` / ``failstop_tp``.
+state (FSDP, TP, PP) needs the copies of ``failstop_pipe`` / ``failstop_tp``. Collectives go through
+``ctx`` (its own gloo group; there is no default process group, so no DDP). Each attempt deep-copies the
+tracked state and two copies are kept (with AdamW about 6x the parameters' memory). Not survived: a death
+before the first group forms, and a peer that is only slow past ``group_timeout_s`` (its peers take it
+for dead, but the launcher lists no new members, so they fail after 60 s).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ class Elastic:
 
     def __init__(self, store: Any, orig: int, members: list[int], *, timeout_s: float = 20.0) -> None:
         self.orig = orig  # the rank this process was started as; never changes
-        self.members = members  # surviving original ranks, in group-rank order
+        self.members = list(members)  # surviving original ranks, in group-rank order
         self.step = 0
         self.generation = 0
         self.recoveries: list[dict[str, Any]] = []
@@ -76,6 +81,7 @@ class Elastic:
         )
         self._snapshots: Snapshots | None = None
         self._failed = False
+        self._synced = False  # ctx.sync ran in this attempt
 
     @property
     def rank(self) -> int:
@@ -99,10 +105,20 @@ class Elastic:
         """All-reduce (SUM) ``model``'s gradients and ``loss`` over the survivors; returns the summed loss
         (0.0 without one). Gradients travel in fp32 (one message) and come back in their own dtype. Raises
         ``PeerLost`` if a peer died (``attempt`` handles it)."""
+        if self._synced:
+            raise RuntimeError(
+                "ctx.sync ran twice in one ctx.attempt(): the second would sum the summed gradients again "
+                "(one sync per step; ctx.all_reduce for other tensors)"
+            )
+        self._synced = True
         params = [p for p in model.parameters() if p.requires_grad]
-        grads = [p.grad.reshape(-1).float() if p.grad is not None else torch.zeros(p.numel()) for p in params]
+        grads = [
+            p.grad.reshape(-1).float() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+            for p in params
+        ]
         flat = torch.cat(grads)
-        total = torch.tensor([float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)])
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)
+        total = torch.tensor([value], device=flat.device)
         self.all_reduce(flat)
         self.all_reduce(total)
         off = 0
@@ -135,6 +151,7 @@ class Elastic:
         if self._snapshots is None:
             raise RuntimeError("call ctx.track(model, optimizer, ...) before the first ctx.attempt()")
         self._snapshots.take(self.step)
+        self._synced = False
         try:
             yield
         except PeerLost:
@@ -152,8 +169,9 @@ class Elastic:
         self._snapshots.zero_grad()  # the abandoned step's partial gradients
         joined = rejoin(self._store, self.orig, self.generation + 1, self.step, self._timeout)
         self.members, self._group, self.generation = joined.members, joined.group, joined.generation
-        if joined.resume != self.step:  # got further than a peer: back to the common safe point
-            self._snapshots.restore(joined.resume, self.orig)
+        # Back to the safe point, always: the abandoned attempt may have stepped the optimizer already
+        # (a collective after opt.step() failed), and a rank one step ahead goes back one step more.
+        self._snapshots.restore(joined.resume, self.orig)
         self.recoveries.append(
             {"generation": self.generation, "failed_at_step": self.step, "resume_step": joined.resume,
              "members": list(self.members)}
@@ -211,12 +229,14 @@ def launch(
 
 def toy_train(
     ctx: Elastic, steps: int, kills: list[list[int]] | None = None, errors: list[list[int]] | None = None,
-    seed: int = 0,
+    seed: int = 0, late_kills: list[list[int]] | None = None,
 ) -> dict[int, float]:  # fmt: skip
     """The loop of the module docstring on a small MLP (the tests' training function): every step a
     global batch of 24 items from ``seed`` and the step, this rank's share of it, AdamW. Fault injection
     ([[rank, step], ...]): ``kills`` SIGKILL that rank mid-step, after its backward and before the sync;
-    ``errors`` raise a ``RuntimeError`` there (a bug in the loop, which must stop the job)."""
+    ``errors`` raise a ``RuntimeError`` there (a bug in the loop, which must stop the job). With
+    ``late_kills`` each step ends with a metric all-reduce after the optimizer step, and those ranks die
+    just before it: the survivors' attempt fails after they have stepped."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -237,4 +257,8 @@ def toy_train(
             losses[ctx.step] = ctx.sync(model, loss)
             opt.step()
             opt.zero_grad()
+            if late_kills is not None:
+                if [ctx.orig, ctx.step] in late_kills:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                ctx.all_reduce(torch.ones(1))  # a metric, after the update
     return losses

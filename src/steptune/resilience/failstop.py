@@ -198,11 +198,13 @@ class Snapshots:
         self._kept = {}
 
     def zero_grad(self) -> None:
-        """Drop the gradients of the modules (an abandoned step's partial ones)."""
+        """Drop the gradients of the modules and optimizers (an abandoned step's partial ones)."""
         for o in self._objs:
             if isinstance(o, nn.Module):
                 for prm in o.parameters():
                     prm.grad = None
+            elif hasattr(o, "zero_grad"):
+                o.zero_grad(set_to_none=True)
 
 
 @contextmanager
