@@ -34,9 +34,10 @@ summation order. Only what ``track`` was given is rolled back; keep per-step res
 ``ctx.step`` (a redone step overwrites its entry). DP only: every rank holds the whole model; sharded
 state (FSDP, TP, PP) needs the copies of ``failstop_pipe`` / ``failstop_tp``. Collectives go through
 ``ctx`` (its own gloo group; there is no default process group, so no DDP). Each attempt deep-copies the
-tracked state and two copies are kept (with AdamW about 6x the parameters' memory). Not survived: a death
-before the first group forms, and a peer that is only slow past ``group_timeout_s`` (its peers take it
-for dead, but the launcher lists no new members, so they fail after 60 s).
+tracked state and two copies are kept (with AdamW about 6x the parameters' memory). A peer that is only
+slow past ``group_timeout_s`` makes its peers' collective fail, and its own once they drop the group: once
+every live rank has announced itself, the launcher lists them all again and the step is redone by all.
+Not survived: a death before the first group forms.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import math
 import os
 import pickle
 import signal
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -229,14 +231,15 @@ def launch(
 
 def toy_train(
     ctx: Elastic, steps: int, kills: list[list[int]] | None = None, errors: list[list[int]] | None = None,
-    seed: int = 0, late_kills: list[list[int]] | None = None,
+    seed: int = 0, late_kills: list[list[int]] | None = None, stalls: list[list[float]] | None = None,
 ) -> dict[int, float]:  # fmt: skip
     """The loop of the module docstring on a small MLP (the tests' training function): every step a
     global batch of 24 items from ``seed`` and the step, this rank's share of it, AdamW. Fault injection
     ([[rank, step], ...]): ``kills`` SIGKILL that rank mid-step, after its backward and before the sync;
     ``errors`` raise a ``RuntimeError`` there (a bug in the loop, which must stop the job). With
     ``late_kills`` each step ends with a metric all-reduce after the optimizer step, and those ranks die
-    just before it: the survivors' attempt fails after they have stepped."""
+    just before it: the survivors' attempt fails after they have stepped. ``stalls`` ([[rank, step,
+    seconds], ...], before any recovery only) sleep before the sync: a peer slower than the group timeout."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -254,6 +257,9 @@ def toy_train(
                 os.kill(os.getpid(), signal.SIGKILL)
             if [ctx.orig, ctx.step] in (errors or []):
                 raise RuntimeError(f"injected: a bug in rank {ctx.orig}'s step {ctx.step}")
+            for rank, step, seconds in stalls or []:
+                if (rank, step) == (ctx.orig, ctx.step) and ctx.generation == 0:
+                    time.sleep(seconds)
             losses[ctx.step] = ctx.sync(model, loss)
             opt.step()
             opt.zero_grad()

@@ -3,7 +3,8 @@
 Contract. The launcher (this process) owns the ``TCPStore``; workers only connect to it, so the store
 outlives any rank. Workers train data-parallel on gloo groups named by generation (``gen0``, ``gen1``, ...).
 When a rank dies, its peers' next collective fails within milliseconds: they drop their group, publish
-``alive/<gen>/<rank>``, and wait for ``members/<gen>``, which the launcher writes once it has seen the death.
+``alive/<gen>/<rank>``, and wait for ``members/<gen>``, which the launcher writes once it has seen the death
+(or, when nobody died but a peer was slower than the group timeout, once every live rank has announced).
 They then build a new group among the survivors and agree on the last step every survivor completed (an
 all-reduce MIN). A survivor that got further rolls back to its snapshot of that step. The safe point is the
 start of a step: parameters and optimizer state are snapshotted there. The interrupted step is redone with
@@ -354,6 +355,11 @@ def _listed(store: Any, orig: int, gen: int, step: int, timeout: datetime.timede
     return members
 
 
+def _all_rejoining(store: Any, gen: int, alive: set[int]) -> bool:
+    """Whether every live rank announced itself for generation ``gen`` and no list for it exists yet."""
+    return store.check([f"alive/{gen}/{r}" for r in sorted(alive)]) and not store.check([f"members/{gen}"])
+
+
 def _launch(
     world: int, spec: dict[str, Any], ctx: Any, store: Any, out: Any, members: list[int], worker: Any
 ) -> dict[int, Any]:
@@ -396,6 +402,11 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
             pass
         dead = [r for r in alive if not procs[r].is_alive() and r not in finished]
         if not dead:
+            if spec.get("mode") != "restart" and _all_rejoining(store, gen + 1, alive):
+                # A peer was only slow past the group timeout: nobody died, yet every rank saw a collective
+                # fail and rejoins. List them all again (a death would leave one silent: not listed here).
+                gen += 1
+                store.set(f"members/{gen}", json.dumps(sorted(alive)))
             continue
         if spec.get("mode") == "restart":
             # Workers that saw a collective fail exit with 1 (torchrun stops them anyway); the lost one is
