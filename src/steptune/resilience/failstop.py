@@ -99,6 +99,7 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
         step, losses = state["step"], state["losses"]
     group = new_gloo_group(store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout)
     snapshots = Snapshots(model, opt)
+    recovery = Recovery(store, orig, spec, snapshots, timeout)
     while step < steps:
         snapshots.take(step)
         die = orig == spec.get("kill_rank") and step == spec.get("kill_step") and not spec.get("resume")
@@ -131,14 +132,8 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
             group = None
             gc.collect()
             opt.zero_grad()
-            gen += 1
-            members, group, resume, gen, _ = rejoin(
-                store, orig, gen, step, timeout, die=injected(spec, "recovery_kills", orig, gen)
-            )
-            if resume != step:  # got further than a peer: back to the common safe point
-                snapshots.restore(resume, orig)
-                step = resume
-                losses = {k: v for k, v in losses.items() if k < resume}
+            joined, step, losses, _ = recovery.rejoin(gen + 1, step, losses)
+            members, group, gen = joined.members, joined.group, joined.generation
     out.put((orig, {k: losses[k] for k in sorted(losses)}, {"generation": gen}))
 
 
@@ -286,6 +281,57 @@ def adopt_pending(agreed: int, epoch: int, pending: Any, orig: int, *, rolled_ba
         f"rank {orig}: survivors committed layout epoch {agreed}, this rank is at {epoch}"
         f"{' with no pending layout' if pending is None else ''}: the recovery cannot continue consistently"
     )
+
+
+class Recovery:
+    """One rank's side of a fail-stop recovery: ``rejoin`` the survivors, roll back to the step they agreed
+    on, adopt a layout whose commit completed on a peer only (``adopt_pending``); ``copy`` state from DP
+    peers under a ``commit`` (PP, TP). Keeps this rank's layout ``epoch`` (committed copies) and
+    ``pending`` layout (that of its last failed commit) across recoveries."""
+
+    def __init__(
+        self, store: Any, orig: int, spec: dict[str, Any], snapshots: Snapshots, timeout: datetime.timedelta
+    ) -> None:
+        self.store, self.orig, self.spec, self.snapshots, self.timeout = store, orig, spec, snapshots, timeout
+        self.epoch = 0
+        self.pending: Any = None
+
+    def rejoin(
+        self, gen: int, step: int, losses: dict[int, float]
+    ) -> tuple[Rejoined, int, dict[int, float], Any]:
+        """Rejoin as generation ``gen`` from ``step``: ``(joined, step, losses, adopted)``, where ``step`` and
+        ``losses`` are rolled back to the agreed step and ``adopted`` is the pending layout a peer committed
+        (None if none: keep the current one)."""
+        joined = rejoin(
+            self.store, self.orig, gen, step, self.timeout, epoch=self.epoch,
+            die=injected(self.spec, "recovery_kills", self.orig, gen),
+        )  # fmt: skip
+        rolled_back = joined.resume != step
+        if rolled_back:  # got further than a peer: back to the common safe point
+            self.snapshots.restore(joined.resume, self.orig)
+            step = joined.resume
+            losses = {k: v for k, v in losses.items() if k < step}
+        adopted = None
+        if adopt_pending(joined.epoch, self.epoch, self.pending, self.orig, rolled_back=rolled_back):
+            adopted, self.epoch = self.pending, joined.epoch
+        self.pending = None
+        return joined, step, losses, adopted
+
+    def copy(self, group: Any, gen: int, new: Any, transfer: Any) -> bool:
+        """Run ``transfer()`` (this rank's part of the copy to layout ``new``), then ``commit``. False when a
+        survivor died during it: every rank keeps the old layout (``new`` is kept as pending when only the
+        commit failed here: it may have completed on a peer)."""
+        try:
+            if injected(self.spec, "copy_kills", self.orig, gen):
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a death during the copy
+            transfer()
+            commit(group, self.spec, self.orig, gen)
+        except RuntimeError as err:
+            if isinstance(err, CommitFailed):  # ... unless its commit completed elsewhere (see commit)
+                self.pending = new
+            return False
+        self.epoch += 1
+        return True
 
 
 class _Superseded(Exception):

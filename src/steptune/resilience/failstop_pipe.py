@@ -36,14 +36,10 @@ import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.resilience.failstop import (
-    CommitFailed,
+    Recovery,
     Snapshots,
-    adopt_pending,
-    commit,
     compare_failstop,
     doomed,
-    injected,
-    rejoin,
     run_failstop,
     split_sync,
 )
@@ -213,7 +209,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
     link = link_bandwidth(spec.get("cluster", "dgx-h100"), world)
     real_block_bytes = sum(x.params for x in full.layers) * _BYTES_PER_PARAM / blocks
     snapshots = Snapshots(*layers, opt)
-    epoch, pending = 0, None  # committed state copies; the layout of this rank's last failed commit
+    recovery = Recovery(store, orig, spec, snapshots, timeout)
     while step < steps:
         snapshots.take(step)
         die = doomed(spec, orig, step)
@@ -236,21 +232,13 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
             me.group = group = None
             gc.collect()
             opt.zero_grad()
-            gen += 1
-            members, group, resume, gen, agreed = rejoin(
-                store, orig, gen, step, timeout, epoch=epoch, die=injected(spec, "recovery_kills", orig, gen)
-            )
+            joined, step, losses, adopted = recovery.rejoin(gen + 1, step, losses)
+            members, group, gen = joined.members, joined.group, joined.generation
             me.group, me.rank = group, members.index(orig)
-            rolled_back = resume != step
-            if rolled_back:  # got further than a peer: back to the common safe point
-                snapshots.restore(resume, orig)
-                step = resume
-                losses = {k: v for k, v in losses.items() if k < step}
-            if adopt_pending(agreed, epoch, pending, orig, rolled_back=rolled_back):  # a peer committed it
-                pipes, epoch = pending, agreed
+            if adopted is not None:  # a peer committed it
+                pipes = adopted
                 _own(me, pipes, orig, num_layers)
                 info["recoveries"].append({"from": "committed by peers", "step": step, "pipes": pipes})
-            pending = None
             t0 = time.perf_counter()
             new = survivor_pipes(pipes, members, num_layers)
             try:
@@ -264,17 +252,10 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
                 info["recoveries"].append({"from": "checkpoint", "step": step, "pipes": pipes})
                 snapshots.clear()
                 break
-            try:
-                if injected(spec, "copy_kills", orig, gen):
-                    os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a death during the copy
-                me.move([(i, members.index(s), members.index(d)) for i, s, d in moves], keep_sent=True)
-                commit(group, spec, orig, gen)
-            except RuntimeError as err:  # a survivor died during the copy: every rank keeps the old layout
-                if isinstance(err, CommitFailed):  # ... unless its commit completed elsewhere (see commit)
-                    pending = new
+            moved = [(i, members.index(s), members.index(d)) for i, s, d in moves]
+            if not recovery.copy(group, gen, new, lambda moved=moved: me.move(moved, keep_sent=True)):
                 info["recoveries"].append({"from": "aborted", "step": step, "generation": gen})
-                continue
-            epoch += 1
+                continue  # a survivor died during the copy: every rank keeps the old layout
             mine = sum(1 for _, s, d in moves if orig in (s, d))  # the emulated transfer of the real layers
             time.sleep(mine * real_block_bytes / link * scale)
             pipes = new

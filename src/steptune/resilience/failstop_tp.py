@@ -30,14 +30,10 @@ import torch
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.pipeline.stages import lm_loss
 from steptune.resilience.failstop import (
-    CommitFailed,
+    Recovery,
     Snapshots,
-    adopt_pending,
-    commit,
     compare_failstop,
     doomed,
-    injected,
-    rejoin,
     split_sync,
 )
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model
@@ -120,7 +116,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
     step, losses = 0, {}
     info: dict[str, Any] = {"recoveries": []}
     snapshots = Snapshots(model, opt)
-    epoch, pending = 0, None  # committed shard copies; the owners of this rank's last failed commit
+    recovery = Recovery(store, orig, spec, snapshots, timeout)
     while step < steps:
         snapshots.take(step)
         die = doomed(spec, orig, step)
@@ -140,35 +136,20 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             holder.group = group = None
             gc.collect()
             opt.zero_grad()
-            gen += 1
-            members_, group, resume, gen, agreed = rejoin(
-                store, orig, gen, step, timeout, epoch=epoch, die=injected(spec, "recovery_kills", orig, gen)
-            )
-            rolled_back = resume != step
-            if rolled_back:  # got further than a peer: back to the common safe point
-                snapshots.restore(resume, orig)
-                step = resume
-                losses = {k: v for k, v in losses.items() if k < step}
-            if adopt_pending(agreed, epoch, pending, orig, rolled_back=rolled_back):  # a peer committed it
-                owners, epoch = pending, agreed
+            joined, step, losses, adopted = recovery.rejoin(gen + 1, step, losses)
+            members_, group, gen = joined.members, joined.group, joined.generation
+            if adopted is not None:  # a peer committed it
+                owners = adopted
                 info["recoveries"].append({"from": "committed by peers", "step": step, "owners": owners})
-            pending = None
             t0 = time.perf_counter()
             new = survivor_owners(owners, members_)
             moves = restore_moves(owners, new, members_)  # LookupError: no copy left (stated, not hidden)
             rank = members_.index(orig)
             holder.group, holder.rank = group, rank
-            try:
-                if injected(spec, "copy_kills", orig, gen):
-                    os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a death during the copy
-                holder.transfer([(u, members_.index(s), members_.index(d)) for u, s, d in moves])
-                commit(group, spec, orig, gen)
-            except RuntimeError as err:  # a survivor died during the copy: every rank keeps the old owners
-                if isinstance(err, CommitFailed):  # ... unless its commit completed elsewhere (see commit)
-                    pending = new
+            moved = [(u, members_.index(s), members_.index(d)) for u, s, d in moves]
+            if not recovery.copy(group, gen, new, lambda moved=moved: holder.transfer(moved)):
                 info["recoveries"].append({"from": "aborted", "step": step, "generation": gen})
-                continue
-            epoch += 1
+                continue  # a survivor died during the copy: every rank keeps the old owners
             mine = sum(1 for _, s, d in moves if orig in (s, d))  # the emulated transfer of the real shard
             time.sleep(mine * unit_bytes / link * scale)
             owners = new
