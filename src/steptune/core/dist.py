@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Container, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "LOOPBACK",
     "abort_group",
+    "allreduce_grads",
     "connect_store",
     "env_rank",
     "irecv",
@@ -86,6 +88,26 @@ def send(tensor: torch.Tensor, dst: int, group: Any, *, tag: int = 0) -> None:
 
 def recv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0) -> None:
     irecv(tensor, src, group, tag=tag).wait()
+
+
+def allreduce_grads(
+    params: Sequence[torch.nn.Parameter], group: Any, owned: Container[int] | None = None
+) -> None:
+    """SUM the gradients of ``params`` over ``group`` in one message (fp32) and give each back in its own
+    dtype. A parameter without a gradient adds zeros and receives the sum. With ``owned`` (indices into
+    ``params``) only those contribute and receive it; the others add zeros and are left with no gradient,
+    so ranks holding different layers (pipeline stages) can sync layer-wise."""
+    keep = [owned is None or i in owned for i in range(len(params))]
+    parts = [
+        p.grad.reshape(-1).float() if k and p.grad is not None else torch.zeros(p.numel(), device=p.device)
+        for p, k in zip(params, keep, strict=True)
+    ]
+    flat = torch.cat(parts)
+    group.allreduce([flat]).wait()
+    off = 0
+    for p, k in zip(params, keep, strict=True):
+        p.grad = flat[off : off + p.numel()].view_as(p).to(p.dtype, copy=True) if k else None
+        off += p.numel()
 
 
 def abort_group(group: Any) -> None:

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steptune.core.dist import abort_group, connect_store, new_gloo_group
+from steptune.core.dist import abort_group, allreduce_grads, connect_store, new_gloo_group
 from steptune.resilience.failstop import Snapshots, rejoin, run_failstop
 
 __all__ = ["Elastic", "PeerLost", "launch", "toy_train"]
@@ -114,34 +114,28 @@ class Elastic:
             )
         self._synced = True
         params = [p for p in model.parameters() if p.requires_grad]
-        grads = [
-            p.grad.reshape(-1).float() if p.grad is not None else torch.zeros(p.numel(), device=p.device)
-            for p in params
-        ]
-        flat = torch.cat(grads)
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)
-        total = torch.tensor([value], device=flat.device)
-        self.all_reduce(flat)
+        total = torch.tensor([value], device=params[0].device if params else "cpu")
+        self._collective(lambda group: allreduce_grads(params, group))
         self.all_reduce(total)
-        off = 0
-        for p in params:
-            p.grad = flat[off : off + p.numel()].view_as(p).to(p.dtype, copy=True)
-            off += p.numel()
         return float(total.item())
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """SUM ``tensor`` in place over the survivors (for metrics or your own synchronisation). Raises
         ``PeerLost`` if a peer died."""
+        self._collective(lambda group: group.allreduce([tensor]).wait())
+        return tensor
+
+    def _collective(self, run: Callable[[Any], Any]) -> None:
         if self._group is None:
             raise RuntimeError(
                 "the group is gone after a peer's death: call ctx.sync / ctx.all_reduce inside "
                 "ctx.attempt(), which rejoins the survivors first"
             )
         try:
-            self._group.allreduce([tensor]).wait()
+            run(self._group)
         except RuntimeError as err:
             raise PeerLost(str(err)) from None  # no chained traceback holding the group's frames
-        return tensor
 
     @contextmanager
     def attempt(self) -> Iterator[None]:

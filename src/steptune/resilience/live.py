@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from steptune.core.dist import allreduce_grads
 from steptune.resilience.runtime import LinkFault, Runtime, RuntimeConfig, SlowFault, StepReport
 from steptune.resilience.workload import LENGTH_PRESETS, StageModel, pack
 
@@ -121,20 +122,9 @@ def sum_and_step(
     With ``owned`` (indices into ``params``), only those contribute and receive the sum; the others add
     zeros and keep no gradient, so ranks holding different layers (pipeline stages) sync layer-wise.
     """
-    keep = [owned is None or i in owned for i in range(len(params))]
-    flat = torch.cat(
-        [
-            p.grad.reshape(-1) if k and p.grad is not None else torch.zeros(p.numel())
-            for p, k in zip(params, keep, strict=True)
-        ]
-    )
     with timed or contextlib.nullcontext():  # ``timed``: e.g. ``Runtime.comm_timed`` around the collective
-        group.allreduce([flat]).wait()
+        allreduce_grads(params, group, owned)
         group.allreduce([loss_sum]).wait()
-    off = 0
-    for p, k in zip(params, keep, strict=True):
-        p.grad = flat[off : off + p.numel()].view_as(p).clone() if k else None
-        off += p.numel()
     opt.step()
     opt.zero_grad()
     return float(loss_sum)
