@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _ckpt
 
+from steptune.core.patching import MISSING, SharedPatch
+
 __all__ = ["Flattened", "flattened_checkpoints"]
 
 
@@ -34,10 +36,6 @@ class Flattened:
 
 
 _local = threading.local()
-_lock = threading.Lock()
-_users = 0
-_original_generator: Any = None
-_own_apply: Any = None  # CheckpointFunction's own ``apply``, if a torch version defines one
 
 
 def _current() -> Flattened | None:
@@ -52,7 +50,7 @@ def _no_hooks(*args: Any, **kwargs: Any) -> Iterator[None]:
 def _generator(*args: Any, **kwargs: Any) -> Any:
     seen = _current()
     if seen is None:
-        return _original_generator(*args, **kwargs)
+        return _patch.original(_ckpt, "_checkpoint_without_reentrant_generator")(*args, **kwargs)
     seen.count += 1
     return _no_hooks()
 
@@ -60,44 +58,29 @@ def _generator(*args: Any, **kwargs: Any) -> Any:
 def _apply(cls: Any, function: Any, preserve_rng_state: bool, *args: Any) -> Any:
     seen = _current()
     if seen is None:  # torch's behaviour, through whatever Function.apply is now (the recorder patches it)
-        apply = _own_apply if _own_apply is not None else torch.autograd.function.Function.apply
+        own = _patch.original(_ckpt.CheckpointFunction, "apply")
+        apply = torch.autograd.function.Function.apply if own is MISSING else own
         return apply.__func__(cls, function, preserve_rng_state, *args)
     seen.count += 1
     return function(*args)
 
 
-def _install() -> None:
-    global _users, _original_generator, _own_apply
-    with _lock:
-        if _users == 0:
-            _original_generator = _ckpt._checkpoint_without_reentrant_generator
-            _own_apply = _ckpt.CheckpointFunction.__dict__.get("apply")
-            _ckpt._checkpoint_without_reentrant_generator = _generator  # type: ignore[assignment]
-            _ckpt.CheckpointFunction.apply = classmethod(_apply)  # type: ignore[assignment,method-assign]
-        _users += 1
-
-
-def _remove() -> None:
-    global _users
-    with _lock:
-        _users -= 1
-        if _users == 0:
-            _ckpt._checkpoint_without_reentrant_generator = _original_generator
-            if _own_apply is None:
-                del _ckpt.CheckpointFunction.apply  # back to the inherited Function.apply
-            else:
-                _ckpt.CheckpointFunction.apply = _own_apply  # type: ignore[method-assign]
+_patch = SharedPatch(
+    lambda: [
+        (_ckpt, "_checkpoint_without_reentrant_generator", _generator),
+        (_ckpt.CheckpointFunction, "apply", classmethod(_apply)),
+    ]
+)
 
 
 @contextmanager
 def flattened_checkpoints() -> Iterator[Flattened]:
     """Inside: this thread's ``torch.utils.checkpoint.checkpoint`` calls run their function directly."""
     seen = Flattened()
-    _install()
     stack: list[Flattened] = _local.__dict__.setdefault("stack", [])
-    stack.append(seen)
-    try:
-        yield seen
-    finally:
-        stack.pop()
-        _remove()
+    with _patch.held():
+        stack.append(seen)
+        try:
+            yield seen
+        finally:
+            stack.pop()

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointFunction
 
+from steptune.core.patching import SharedPatch
 from steptune.memory.tape import ExternalRef, OpNode, Slot, Tape, ValueKey, _Ref
 
 __all__ = ["Recorder", "force_save_reason", "op_flops"]
@@ -314,13 +315,12 @@ class Recorder(TorchDispatchMode):
     def opaque_functions(self) -> Iterator[None]:
         """Mark every op run inside a custom ``autograd.Function`` as not replayable."""
         stack = _recorders()
-        stack.append(self)
-        _install_apply_patch()
-        try:
-            yield
-        finally:
-            stack.pop()
-            _remove_apply_patch()
+        with _patch.held():
+            stack.append(self)
+            try:
+                yield
+            finally:
+                stack.pop()
 
     def _opaque_write(self, name: str, flat: list[Any]) -> None:
         """A call that may have written each of these tensors outside the dispatcher."""
@@ -360,9 +360,6 @@ class Recorder(TorchDispatchMode):
 
 
 _local = threading.local()
-_patch_lock = threading.Lock()
-_patch_users = 0
-_original_apply: Any = None
 
 
 def _recorders() -> list[Recorder]:
@@ -372,19 +369,23 @@ def _recorders() -> list[Recorder]:
     return stack
 
 
+def _original_apply(fn_cls: Any, *args: Any, **kwargs: Any) -> Any:
+    return _patch.original(torch.autograd.function.Function, "apply").__func__(fn_cls, *args, **kwargs)
+
+
 def _patched_apply(fn_cls: Any, *args: Any, **kwargs: Any) -> Any:
     stack = _recorders()
     recorder = stack[-1] if stack else None
     if recorder is None:
-        return _original_apply.__func__(fn_cls, *args, **kwargs)
+        return _original_apply(fn_cls, *args, **kwargs)
     if fn_cls is CheckpointFunction and not recorder._opaque_depth:
         # torch's reentrant checkpoint runs its function under no_grad through the dispatcher: the
         # ops inside are recorded like any others (a custom Function nested in it stays opaque).
         recorder.inner_checkpoint = "reentrant"
-        return _original_apply.__func__(fn_cls, *args, **kwargs)
+        return _original_apply(fn_cls, *args, **kwargs)
     recorder._opaque_depth += 1
     try:
-        out = _original_apply.__func__(fn_cls, *args, **kwargs)
+        out = _original_apply(fn_cls, *args, **kwargs)
     finally:
         recorder._opaque_depth -= 1
     for o in tree_flatten(out)[0]:
@@ -410,12 +411,11 @@ _DIST_COLLECTIVES = (
     "recv",
     "irecv",
 )
-_original_dist: dict[str, Any] = {}
 
 
 def _patched_collective(name: str) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
-        out = _original_dist[name](*args, **kwargs)
+        out = _patch.original(torch.distributed, name)(*args, **kwargs)
         stack = _recorders()
         if stack:
             stack[-1]._opaque_write(name, tree_flatten((args, kwargs))[0])
@@ -424,30 +424,18 @@ def _patched_collective(name: str) -> Callable[..., Any]:
     return call
 
 
-def _install_apply_patch() -> None:
-    # Function.apply and torch.distributed's functions are process-wide: patch them once
-    # (refcounted across threads); each patched call finds the calling thread's recorder, or none.
-    global _patch_users, _original_apply
-    with _patch_lock:
-        if _patch_users == 0:
-            _original_apply = torch.autograd.function.Function.__dict__["apply"]
-            torch.autograd.function.Function.apply = classmethod(_patched_apply)  # type: ignore[assignment,method-assign]
-            if torch.distributed.is_available():
-                for name in _DIST_COLLECTIVES:
-                    _original_dist[name] = getattr(torch.distributed, name)
-                    setattr(torch.distributed, name, _patched_collective(name))
-        _patch_users += 1
+def _patch_targets() -> list[tuple[Any, str, Any]]:
+    # Function.apply and torch.distributed's functions are process-wide: patched once (refcounted across
+    # threads); each patched call finds the calling thread's recorder, or none.
+    function = torch.autograd.function.Function
+    targets: list[tuple[Any, str, Any]] = [(function, "apply", classmethod(_patched_apply))]
+    if torch.distributed.is_available():
+        own = vars(torch.distributed)
+        targets += [(torch.distributed, n, _patched_collective(n)) for n in _DIST_COLLECTIVES if n in own]
+    return targets
 
 
-def _remove_apply_patch() -> None:
-    global _patch_users
-    with _patch_lock:
-        _patch_users -= 1
-        if _patch_users == 0:
-            torch.autograd.function.Function.apply = _original_apply  # type: ignore[method-assign]
-            for name, fn in _original_dist.items():
-                setattr(torch.distributed, name, fn)
-            _original_dist.clear()
+_patch = SharedPatch(_patch_targets)
 
 
 def _external_key(t: torch.Tensor) -> tuple[Any, ...]:

@@ -25,7 +25,7 @@ gloo group among themselves and redo the interrupted step, without a restart.
 Contract. ``launch`` keeps the ``TCPStore`` in the calling process, so it outlives any rank; it spawns the
 ranks, sees a death, and lists the survivors (``failstop.run_failstop``). In a rank, a collective that
 fails inside ``attempt`` (gloo raises ``RuntimeError`` within milliseconds of a peer's death) ends that
-attempt; the next ``attempt`` rejoins the survivors (``failstop.rejoin``: a second death while rejoining
+attempt; the next ``attempt`` rejoins the survivors (``recovery.rejoin``: a second death while rejoining
 is survived too), and a rank that got one step further than another (that step's all-reduce completed on
 it only) rolls back to its snapshot. ``ctx.rank`` and ``ctx.world`` change then, so take each step's
 share from them (``shard``). Scale each rank's loss by the global batch, not the share: the summed update
@@ -58,7 +58,8 @@ import torch
 from torch import nn
 
 from steptune.core.dist import abort_group, allreduce_grads, connect_store, new_gloo_group
-from steptune.resilience.failstop import Snapshots, rejoin, run_failstop
+from steptune.resilience.failstop import run_failstop
+from steptune.resilience.recovery import Snapshots, rejoin
 
 __all__ = ["Elastic", "PeerLost", "launch", "toy_train"]
 

@@ -35,17 +35,11 @@ from typing import Any
 import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
-from steptune.resilience.failstop import (
-    Recovery,
-    Snapshots,
-    compare_failstop,
-    doomed,
-    run_failstop,
-    split_sync,
-)
+from steptune.resilience.failstop import compare_failstop, doomed, run_failstop, split_sync
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model, sum_and_step
 from steptune.resilience.pipelined import _BYTES_PER_PARAM, _layers, _Stage, run_stage
 from steptune.resilience.planners import plan_dp
+from steptune.resilience.recovery import Recovery, Snapshots
 
 __all__ = [
     "Pipes",

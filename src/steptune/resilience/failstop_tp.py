@@ -29,15 +29,10 @@ import torch
 
 from steptune.core.dist import abort_group, connect_store, new_gloo_group
 from steptune.pipeline.stages import lm_loss
-from steptune.resilience.failstop import (
-    Recovery,
-    Snapshots,
-    compare_failstop,
-    doomed,
-    split_sync,
-)
+from steptune.resilience.failstop import compare_failstop, doomed, split_sync
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model
 from steptune.resilience.planners import plan_dp
+from steptune.resilience.recovery import Recovery, Snapshots
 from steptune.resilience.tensorpar import (
     _BYTES_PER_PARAM,
     _UNITS_PER_DEVICE,

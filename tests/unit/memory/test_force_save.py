@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import steptune.memory.record as record
+from steptune.core.patching import SharedPatch
 from steptune.memory import TapeSACConfig, apply_tapesac_
 from steptune.memory.measure import OpCounter, max_abs_diff
 from steptune.testing import run_threads
@@ -46,8 +47,7 @@ def test_custom_function_outputs_are_saved_not_replayed(monkeypatch):
     assert max_abs_diff(reference, got) == 0.0
     assert handle.stats.force_saved["kernel outside the dispatcher (inside a custom autograd.Function)"] > 0
     # Negative control: without Function interception the NaN-filled allocation is replayed.
-    monkeypatch.setattr(record, "_install_apply_patch", lambda: None)
-    monkeypatch.setattr(record, "_remove_apply_patch", lambda: None)
+    monkeypatch.setattr(record, "_patch", SharedPatch(lambda: []))
     bad, _, _ = _step(model, x, OpaqueBlock)
     assert any(torch.isnan(g).any() for g in bad.values())
 
