@@ -37,7 +37,9 @@ state (FSDP, TP, PP) needs the copies of ``failstop_pipe`` / ``failstop_tp``. Co
 tracked state and two copies are kept (with AdamW about 6x the parameters' memory). A peer that is only
 slow past ``group_timeout_s`` makes its peers' collective fail, and its own once they drop the group: once
 every live rank has announced itself, the launcher lists them all again and the step is redone by all.
-Not survived: a death before the first group forms.
+A death inside the last step's sync can let it complete on some ranks, which return, and fail on others:
+the launcher then lists the others alone and they redo that step. Not survived: a death before the first
+group forms.
 """
 
 from __future__ import annotations
@@ -227,6 +229,7 @@ def launch(
 def toy_train(
     ctx: Elastic, steps: int, kills: list[list[int]] | None = None, errors: list[list[int]] | None = None,
     seed: int = 0, late_kills: list[list[int]] | None = None, stalls: list[list[float]] | None = None,
+    sync_kills: list[list[int]] | None = None, sync_misses: list[list[int]] | None = None,
 ) -> dict[int, float]:  # fmt: skip
     """The loop of the module docstring on a small MLP (the tests' training function): every step a
     global batch of 24 items from ``seed`` and the step, this rank's share of it, AdamW. Fault injection
@@ -234,7 +237,9 @@ def toy_train(
     ``errors`` raise a ``RuntimeError`` there (a bug in the loop, which must stop the job). With
     ``late_kills`` each step ends with a metric all-reduce after the optimizer step, and those ranks die
     just before it: the survivors' attempt fails after they have stepped. ``stalls`` ([[rank, step,
-    seconds], ...], before any recovery only) sleep before the sync: a peer slower than the group timeout."""
+    seconds], ...], before any recovery only) sleep before the sync: a peer slower than the group timeout.
+    The split outcome of a death inside the sync (before any recovery only): ``sync_kills`` die once it
+    completed, ``sync_misses`` see it fail although it completed."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -256,6 +261,10 @@ def toy_train(
                 if (rank, step) == (ctx.orig, ctx.step) and ctx.generation == 0:
                     time.sleep(seconds)
             losses[ctx.step] = ctx.sync(model, loss)
+            if [ctx.orig, ctx.step] in (sync_kills or []) and ctx.generation == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if [ctx.orig, ctx.step] in (sync_misses or []) and ctx.generation == 0:
+                raise PeerLost(f"injected: rank {ctx.orig} sees step {ctx.step}'s sync fail")
             opt.step()
             opt.zero_grad()
             if late_kills is not None:

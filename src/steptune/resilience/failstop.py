@@ -153,9 +153,15 @@ def split_sync(spec: dict[str, Any], orig: int, step: int, gen: int) -> Iterator
         raise RuntimeError(f"rank {orig}: injected: the all-reduce of step {step} is seen as failed")
 
 
-def _all_rejoining(store: Any, gen: int, alive: set[int]) -> bool:
-    """Whether every live rank announced itself for generation ``gen`` and no list for it exists yet."""
-    return store.check([f"alive/{gen}/{r}" for r in sorted(alive)]) and not store.check([f"members/{gen}"])
+def _all_rejoining(store: Any, gen: int, ranks: set[int]) -> bool:
+    """Whether every one of ``ranks`` announced itself for generation ``gen`` and no list for it exists."""
+    announced = [f"alive/{gen}/{r}" for r in sorted(ranks)]
+    return bool(ranks) and store.check(announced) and not store.check([f"members/{gen}"])
+
+
+def _formed(store: Any, gen: int) -> bool:
+    """Whether generation ``gen``'s group formed (every listed member announced itself; see rejoin)."""
+    return store.check([f"fate/{gen}"]) and store.get(f"fate/{gen}") == b"form"
 
 
 def _launch(
@@ -185,6 +191,15 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
     for p in procs.values():
         p.start()
     gen, alive, finished, infos = 0, set(procs), {}, {}
+    survive = spec.get("mode") != "restart"
+    listed = sorted(alive)  # the last member list written (generation ``gen``)
+
+    def relist() -> None:  # the next generation: every live rank that has not finished
+        nonlocal gen, listed
+        gen += 1
+        listed = sorted(alive - set(finished))
+        store.set(f"members/{gen}", json.dumps(listed))
+
     deadline = t0 + float(spec.get("timeout_s", 300))
     restarts = 0
     while len(finished) < len(alive) and time.time() < deadline:
@@ -195,16 +210,20 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
                     p.kill()
                 raise RuntimeError(f"rank {rank} raised (the job is stopped):\n{info['error']}")
             finished[rank], infos[rank] = losses, info
+            pending = gen > 0 and rank in listed and not _formed(store, gen)
+            if survive and pending and len(finished) < len(alive):
+                # A split last step: its all-reduce completed on this rank, which is done, and failed on
+                # others, which rejoin to redo it. It will never announce itself: list the rest again.
+                relist()
             continue
         except queue.Empty:
             pass
         dead = [r for r in alive if not procs[r].is_alive() and r not in finished]
         if not dead:
-            if spec.get("mode") != "restart" and _all_rejoining(store, gen + 1, alive):
+            if survive and _all_rejoining(store, gen + 1, alive - set(finished)):
                 # A peer was only slow past the group timeout: nobody died, yet every rank saw a collective
                 # fail and rejoins. List them all again (a death would leave one silent: not listed here).
-                gen += 1
-                store.set(f"members/{gen}", json.dumps(sorted(alive)))
+                relist()
             continue
         if spec.get("mode") == "restart":
             # Workers that saw a collective fail exit with 1 (torchrun stops them anyway); the lost one is
@@ -223,8 +242,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
             for r in members:
                 procs[r].start()
         else:
-            gen += 1
-            store.set(f"members/{gen}", json.dumps(sorted(alive)))
+            relist()
     wall = time.time() - t0
     for p in procs.values():
         if p.is_alive():
@@ -242,6 +260,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
         "mode": spec.get("mode"),
         "wall_s": wall,
         "losses": losses,
+        "losses_by_rank": finished,
         "survivors": sorted(alive),
         "restarts": restarts,
     }

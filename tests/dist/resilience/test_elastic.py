@@ -110,6 +110,20 @@ def test_a_peer_slower_than_the_group_timeout_is_waited_for_and_the_step_redone_
         assert _max_rel(res["results"][rank], _reference(6)) <= 1e-5, res
 
 
+def test_a_split_sync_in_the_last_step_is_redone_by_the_ranks_that_saw_it_fail():
+    # Step 4 (the last) syncs on every rank, then rank 1 dies and rank 2 sees the sync fail; ranks 0 and 3
+    # return. Rank 2 alone redoes step 4 with the whole global batch.
+    res = launch(
+        toy_train, 4, 5, None, None, 0, None, None, [[1, 4]], [[2, 4]], group_timeout_s=5.0, timeout_s=90
+    )
+    assert res["survivors"] == [0, 2, 3], res
+    assert res["recoveries"][0] == res["recoveries"][3] == [], res
+    (rec,) = res["recoveries"][2]  # its generation: 1 to 3, by when the launcher saw the others finish
+    assert rec["members"] == [2] and (rec["failed_at_step"], rec["resume_step"]) == (4, 4), res
+    for rank in (0, 2, 3):
+        assert _max_rel(res["results"][rank], _reference(5)) <= 1e-5, res
+
+
 def test_a_second_sync_in_one_attempt_is_refused():
     ctx = Elastic(master_store(), 0, [0], timeout_s=5)
     model = torch.nn.Linear(2, 1)

@@ -163,6 +163,24 @@ def test_a_step_whose_all_reduce_completes_on_some_survivors_only_is_rolled_back
     assert max(abs(res["losses"][k] - ref[k]) / abs(ref[k]) for k in range(6)) <= 1e-5, res
 
 
+def test_a_split_last_step_is_redone_by_the_survivors_whose_all_reduce_failed():
+    # The last step's all-reduce completes on ranks 0, 1 and 3, rank 1 dies right after, rank 2 sees it
+    # fail. Ranks 0 and 3 are done and exit; before, rank 2 waited for them to rejoin and timed out
+    # after 50 s, and the run still reported success with survivors [0, 3].
+    spec = {"ranks": 4, "steps": 6, "seed": 0, "sync_kills": [[1, 5]], "sync_misses": [[2, 5]],
+            "time_scale": 0.005, "mode": "survive", "timeout_s": 120}  # fmt: skip
+    res = run_failstop(spec)
+    ref = reference_losses(spec, proxy_model(0))
+    assert res["survivors"] == [0, 2, 3], res
+    assert res["infos"][2]["generation"] >= 1 and res["infos"][0]["generation"] == 0, (
+        res
+    )  # 1 to 3: see elastic
+    assert res["wall_s"] < 40, res
+    for r in (0, 2, 3):
+        losses = res["losses_by_rank"][r]
+        assert max(abs(losses[k] - ref[k]) / abs(ref[k]) for k in range(6)) <= 1e-5, res
+
+
 def test_a_split_step_in_the_pipeline_job_rolls_back_then_copies_the_lost_stage():
     # dp=2 x pp=2: step 5's all-reduce completes on ranks 0, 1 and 3, rank 3 dies right after, rank 2
     # sees it fail. Ranks 0 and 1 roll back to step 5; rank 2 then takes stage 1's layers from rank 1.
