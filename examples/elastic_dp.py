@@ -51,6 +51,8 @@ def main() -> None:
     ref = launch(train, 1, args.steps, None)["results"][0]
     res = launch(train, args.ranks, args.steps, kill)
     first = res["survivors"][0]
+    for rank, code in res["lost"].items():
+        print(f"rank {rank} lost ({'SIGKILL' if code == -9 else f'exit code {code}'})")
     for rec in res["recoveries"][first]:
         print(f"generation {rec['generation']}: failed in step {rec['failed_at_step']}, resumed at step "
               f"{rec['resume_step']} with ranks {rec['members']}")  # fmt: skip

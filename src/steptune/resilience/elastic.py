@@ -201,9 +201,10 @@ def launch(
 ) -> dict[str, Any]:  # fmt: skip
     """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes on loopback gloo (``fn`` and ``args`` must
     pickle: a module-level function). Returns ``{"results": {orig rank: fn's return value}, "survivors",
-    "recoveries": {orig rank: [...]}, "wall_s"}``. Raises ``RuntimeError`` with the traceback when ``fn``
-    raises on a rank (or returns something that does not pickle), ``TimeoutError`` past ``timeout_s``
-    (default: no limit). ``group_timeout_s``: how long a collective waits for a silent peer."""
+    "lost": {orig rank: exit code}, "recoveries": {orig rank: [...]}, "wall_s"}``. Raises
+    ``RuntimeError`` with the traceback when ``fn`` raises on a rank (or returns something that does not
+    pickle), ``TimeoutError`` past ``timeout_s`` (default: no limit). ``group_timeout_s``: how long a
+    collective waits for a silent peer."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     try:
@@ -221,6 +222,7 @@ def launch(
     return {
         "results": {r: info["result"] for r, info in sorted(res["infos"].items())},
         "survivors": res["survivors"],
+        "lost": res["lost"],  # rank -> exit code: -9 SIGKILLed, 1 an exception (its traceback on stderr)
         "recoveries": {r: info["recoveries"] for r, info in sorted(res["infos"].items())},
         "wall_s": res["wall_s"],
     }

@@ -192,6 +192,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
         p.start()
     gen, alive, finished, infos = 0, set(procs), {}, {}
     survive = spec.get("mode") != "restart"
+    lost: dict[int, int | None] = {}  # rank -> exit code (-9: SIGKILLed; 1: an exception, on stderr)
     listed = sorted(alive)  # the last member list written (generation ``gen``)
 
     def relist() -> None:  # the next generation: every live rank that has not finished
@@ -230,6 +231,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
             # the one that did not (SIGKILLed). Polling may see both at once, so tell them apart here.
             dead = [r for r in dead if procs[r].exitcode != 1] or dead
         alive -= set(dead)
+        lost.update({r: procs[r].exitcode for r in dead})
         if spec.get("mode") == "restart":  # torchrun: stop everyone, start N-1 fresh from the checkpoint
             for r in alive:
                 procs[r].kill()
@@ -262,6 +264,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
         "losses": losses,
         "losses_by_rank": finished,
         "survivors": sorted(alive),
+        "lost": lost,
         "restarts": restarts,
     }
 

@@ -30,7 +30,7 @@ def _reference(steps):
 def test_survivors_of_a_death_mid_step_continue_and_match_the_failure_free_losses():
     ref = _reference(8)
     res = launch(toy_train, 4, 8, [[2, 3]])  # rank 2 dies in step 3, after its backward, before the sync
-    assert res["survivors"] == [0, 1, 3], res
+    assert res["survivors"] == [0, 1, 3] and res["lost"] == {2: -9}, res
     for rank in (0, 1, 3):
         assert sorted(res["results"][rank]) == list(range(8)), res
         assert _max_rel(res["results"][rank], ref) <= 1e-5, res
