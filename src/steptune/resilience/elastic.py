@@ -38,8 +38,8 @@ tracked state and two copies are kept (with AdamW about 6x the parameters' memor
 slow past ``group_timeout_s`` makes its peers' collective fail, and its own once they drop the group: once
 every live rank has announced itself, the launcher lists them all again and the step is redone by all.
 A death inside the last step's sync can let it complete on some ranks, which return, and fail on others:
-the launcher then lists the others alone and they redo that step. Not survived: a death before the first
-group forms.
+the launcher then lists the others alone and they redo that step. A death before the first group forms
+(a bad node at start-up) costs the others one ``group_timeout_s``; their first ``attempt`` then rejoins.
 """
 
 from __future__ import annotations
@@ -81,11 +81,15 @@ class Elastic:
         self.recoveries: list[dict[str, Any]] = []
         self._store = store
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._group: Any = new_gloo_group(
-            store, members.index(orig), len(members), prefix="gen0", timeout=self._timeout
-        )
         self._snapshots: Snapshots | None = None
         self._failed = False
+        self._group: Any = None
+        try:
+            self._group = new_gloo_group(
+                store, members.index(orig), len(members), prefix="gen0", timeout=self._timeout
+            )
+        except RuntimeError:  # a peer died before the first group formed: the first attempt rejoins
+            self._failed = True
         self._synced = False  # ctx.sync ran in this attempt
 
     @property
@@ -170,7 +174,9 @@ class Elastic:
         self.members, self._group, self.generation = joined.members, joined.group, joined.generation
         # Back to the safe point, always: the abandoned attempt may have stepped the optimizer already
         # (a collective after opt.step() failed), and a rank one step ahead goes back one step more.
-        self._snapshots.restore(joined.resume, self.orig)
+        # Unless no attempt ran yet (the first group never formed): the state is the initial one.
+        if self._snapshots.taken:
+            self._snapshots.restore(joined.resume, self.orig)
         self.recoveries.append(
             {"generation": self.generation, "failed_at_step": self.step, "resume_step": joined.resume,
              "members": list(self.members)}
@@ -182,6 +188,8 @@ class Elastic:
 def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) -> None:
     torch.set_num_threads(int(spec.get("threads", 1)))
     store = connect_store(port, timeout=datetime.timedelta(seconds=60))
+    if orig in spec.get("kills_before_group", []):  # fault injection: a death at start-up (the tests')
+        os.kill(os.getpid(), signal.SIGKILL)
     ctx = Elastic(
         store, orig, list(spec.get("members", range(world))), timeout_s=float(spec["group_timeout_s"])
     )

@@ -85,6 +85,11 @@ class Snapshots:
         for o, state in zip(self._objs, self._kept[step], strict=True):
             o.load_state_dict(state)
 
+    @property
+    def taken(self) -> bool:
+        """Whether any step's start is held."""
+        return bool(self._kept)
+
     def clear(self) -> None:
         """After a recovery that moved state (the copies are older than it); the next ``take`` refills."""
         self._kept = {}

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from steptune.core.dist import master_store
+from steptune.resilience import elastic
 from steptune.resilience.elastic import Elastic, launch, toy_train
+from steptune.resilience.failstop import run_failstop
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
@@ -122,6 +124,20 @@ def test_a_split_sync_in_the_last_step_is_redone_by_the_ranks_that_saw_it_fail()
     assert rec["members"] == [2] and (rec["failed_at_step"], rec["resume_step"]) == (4, 4), res
     for rank in (0, 2, 3):
         assert _max_rel(res["results"][rank], _reference(5)) <= 1e-5, res
+
+
+def test_a_death_before_the_first_group_forms_costs_one_group_timeout():
+    # A bad node at start-up: rank 1 dies before building the first group. Before, the others raised
+    # out of Elastic() after the group timeout and the job died with them.
+    spec = {"ranks": 3, "mode": "survive", "timeout_s": 90, "fn": toy_train, "args": (5,),
+            "group_timeout_s": 3.0, "threads": 1, "kills_before_group": [1]}  # fmt: skip
+    res = run_failstop(spec, elastic._worker)
+    assert res["survivors"] == [0, 2] and res["lost"] == {1: -9}, res
+    assert res["wall_s"] < 40, res
+    for rank in (0, 2):
+        (rec,) = res["infos"][rank]["recoveries"]
+        assert rec == {"generation": 1, "failed_at_step": 0, "resume_step": 0, "members": [0, 2]}, rec
+        assert _max_rel(res["infos"][rank]["result"], _reference(5)) <= 1e-5, res
 
 
 def test_a_second_sync_in_one_attempt_is_refused():
