@@ -29,9 +29,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Ends an option's help with its default, unless the text gives it already or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or "default" in text.lower()
+            or default is None
+            or default is argparse.SUPPRESS
+            or isinstance(default, bool)
+            or default in ([], ())
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
+class _RawDefaultsFormatter(_DefaultsFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
 def _mark_verbs(parser: argparse.ArgumentParser) -> None:
     """Give each verb's namespace its parser (``args._parser``), so a verb can tell an option the user set
-    from its default (``core.argtypes.warn_ignored``)."""
+    from its default (``core.argtypes.warn_ignored``); every page shows the options' defaults."""
+    raw = issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter)
+    parser.formatter_class = _RawDefaultsFormatter if raw else _DefaultsFormatter
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if not subs:
         parser.set_defaults(_parser=parser)

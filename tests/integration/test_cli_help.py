@@ -25,3 +25,19 @@ def test_every_option_has_help_and_every_page_renders():
                 missing.append(f"{' '.join(path)} {action.option_strings[-1]}")
     assert pages >= 25, pages  # every area, its verbs, and demo
     assert not missing, "options without help: " + ", ".join(missing)
+
+
+def test_every_option_with_a_default_shows_it():
+    silent, shown = [], 0
+    for path, parser in _parsers(build_parser(), ["steptune"]):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            default = action.default
+            if not action.option_strings or default in (None, False, True, [], argparse.SUPPRESS):
+                continue
+            text = formatter._get_help_string(action) % {"default": default}
+            shown += 1
+            if "default" not in text.lower():
+                silent.append(f"{' '.join(path)} {action.option_strings[-1]}")
+    assert shown >= 60, shown
+    assert not silent, "options whose help hides the default: " + ", ".join(silent)
