@@ -5,6 +5,12 @@
 Each rank trains the same small regression MLP on its share of every step's global batch; the rank named
 by --kill dies in that step. The survivors rejoin, redo the step among themselves, and end with the
 losses of a failure-free single-process run (printed side by side). See steptune.resilience.elastic.
+
+Across hosts (here two "hosts" on one machine; --ranks is per host, and --kill-host R:S makes rank R kill
+its host agent in step S, so the whole host is lost):
+
+    python examples/elastic_dp.py --nnodes 2 --node-rank 0 --master file:/tmp/rdzv --ranks 2 --kill-host 2:5 &
+    python examples/elastic_dp.py --nnodes 2 --node-rank 1 --master file:/tmp/rdzv --ranks 2 --kill-host 2:5
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -19,7 +26,9 @@ from torch import nn
 from steptune.resilience.elastic import Elastic, launch
 
 
-def train(ctx: Elastic, steps: int, kill: tuple[int, int] | None) -> dict[int, float]:
+def train(
+    ctx: Elastic, steps: int, kill: tuple[int, int] | None, kill_host: tuple[int, int] | None = None
+) -> dict[int, float]:
     torch.manual_seed(0)  # every rank builds the same model
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -35,6 +44,9 @@ def train(ctx: Elastic, steps: int, kill: tuple[int, int] | None) -> dict[int, f
             loss.backward()
             if kill == (ctx.orig, ctx.step):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kill_host == (ctx.orig, ctx.step):  # the host agent; its ranks die with it
+                os.kill(os.getppid(), signal.SIGKILL)
+                time.sleep(60)
             losses[ctx.step] = ctx.sync(model, loss)  # SUM of gradients and loss over the survivors
             opt.step()
             opt.zero_grad()
@@ -46,13 +58,21 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4, help="processes to spawn (default 4)")
     ap.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     ap.add_argument("--kill", default="2:7", help="RANK:STEP to SIGKILL, or 'none' (default 2:7)")
+    ap.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default 1)")
+    ap.add_argument("--node-rank", type=int, default=0, help="this host's index (default 0)")
+    ap.add_argument("--master", default=None, help="HOST:PORT of node 0, or file:PATH (with --nnodes > 1)")
+    ap.add_argument("--host", default="127.0.0.1", help="this host's address for gloo (default 127.0.0.1)")
+    ap.add_argument("--kill-host", default="none", help="RANK:STEP: that rank kills its host agent")
     args = ap.parse_args()
     kill = None if args.kill == "none" else tuple(int(v) for v in args.kill.split(":"))
+    kill_host = None if args.kill_host == "none" else tuple(int(v) for v in args.kill_host.split(":"))
     ref = launch(train, 1, args.steps, None)["results"][0]
-    res = launch(train, args.ranks, args.steps, kill)
-    first = res["survivors"][0]
+    nodes = {"nnodes": args.nnodes, "node_rank": args.node_rank, "master": args.master, "host": args.host}
+    res = launch(train, args.ranks, args.steps, kill, kill_host, **nodes)
+    first = min(res["results"])  # this host's first finished rank
     for rank, code in res["lost"].items():
-        print(f"rank {rank} lost ({'SIGKILL' if code == -9 else f'exit code {code}'})")
+        why = {-9: "SIGKILL", None: "its host was lost"}.get(code, f"exit code {code}")
+        print(f"rank {rank} lost ({why})")
     for rec in res["recoveries"][first]:
         print(f"generation {rec['generation']}: failed in step {rec['failed_at_step']}, resumed at step "
               f"{rec['resume_step']} with ranks {rec['members']}")  # fmt: skip

@@ -44,6 +44,7 @@ the launcher then lists the others alone and they redo that step. A death before
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import math
@@ -59,7 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steptune.core.dist import abort_group, allreduce_grads, connect_store, new_gloo_group
+from steptune.core.dist import LOOPBACK, abort_group, allreduce_grads, connect_store, new_gloo_group
 from steptune.resilience.failstop import run_failstop
 from steptune.resilience.recovery import Snapshots, rejoin
 
@@ -73,8 +74,11 @@ class PeerLost(RuntimeError):
 class Elastic:
     """One rank's view of the elastic job (built by ``launch``; passed to the training function)."""
 
-    def __init__(self, store: Any, orig: int, members: list[int], *, timeout_s: float = 20.0) -> None:
+    def __init__(
+        self, store: Any, orig: int, members: list[int], *, timeout_s: float = 20.0, host: str = LOOPBACK
+    ) -> None:
         self.orig = orig  # the rank this process was started as; never changes
+        self._host = host  # the address this rank's gloo device binds to
         self.members = list(members)  # surviving original ranks, in group-rank order
         self.step = 0
         self.generation = 0
@@ -86,7 +90,7 @@ class Elastic:
         self._group: Any = None
         try:
             self._group = new_gloo_group(
-                store, members.index(orig), len(members), prefix="gen0", timeout=self._timeout
+                store, members.index(orig), len(members), prefix="gen0", timeout=self._timeout, host=host
             )
         except RuntimeError:  # a peer died before the first group formed: the first attempt rejoins
             self._failed = True
@@ -170,7 +174,9 @@ class Elastic:
         gc.collect()
         assert self._snapshots is not None
         self._snapshots.zero_grad()  # the abandoned step's partial gradients
-        joined = rejoin(self._store, self.orig, self.generation + 1, self.step, self._timeout)
+        joined = rejoin(
+            self._store, self.orig, self.generation + 1, self.step, self._timeout, host=self._host
+        )
         self.members, self._group, self.generation = joined.members, joined.group, joined.generation
         # Back to the safe point, always: the abandoned attempt may have stepped the optimizer already
         # (a collective after opt.step() failed), and a rank one step ahead goes back one step more.
@@ -186,13 +192,15 @@ class Elastic:
 
 
 def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) -> None:
+    _die_with_parent()  # a host agent's death takes its ranks along (elastic_nodes)
     torch.set_num_threads(int(spec.get("threads", 1)))
-    store = connect_store(port, timeout=datetime.timedelta(seconds=60))
+    store = connect_store(port, host=spec.get("store_host", LOOPBACK), timeout=datetime.timedelta(seconds=60))
     if orig in spec.get("kills_before_group", []):  # fault injection: a death at start-up (the tests')
         os.kill(os.getpid(), signal.SIGKILL)
     ctx = Elastic(
-        store, orig, list(spec.get("members", range(world))), timeout_s=float(spec["group_timeout_s"])
-    )
+        store, orig, list(spec.get("members", range(world))), timeout_s=float(spec["group_timeout_s"]),
+        host=spec.get("host", LOOPBACK),
+    )  # fmt: skip
     try:
         result = spec["fn"](ctx, *spec["args"])
         info = {"result": result, "generation": ctx.generation, "recoveries": ctx.recoveries}
@@ -203,16 +211,34 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
     out.put((orig, {}, info))
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the one that spawned it dies (prctl PR_SET_PDEATHSIG)."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: a dead agent's ranks linger until their peers drop them
+        return
+    if os.getppid() != parent:  # the parent died before the prctl
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def launch(
     fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
-    group_timeout_s: float = 20.0, threads: int = 1,
+    group_timeout_s: float = 20.0, threads: int = 1, nnodes: int = 1, node_rank: int = 0,
+    master: str | None = None, host: str | None = None, node_timeout_s: float = 5.0,
 ) -> dict[str, Any]:  # fmt: skip
     """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes on loopback gloo (``fn`` and ``args`` must
     pickle: a module-level function). Returns ``{"results": {orig rank: fn's return value}, "survivors",
     "lost": {orig rank: exit code}, "recoveries": {orig rank: [...]}, "wall_s"}``. Raises
     ``RuntimeError`` with the traceback when ``fn`` raises on a rank (or returns something that does not
     pickle), ``TimeoutError`` past ``timeout_s`` (default: no limit). ``group_timeout_s``: how long a
-    collective waits for a silent peer."""
+    collective waits for a silent peer.
+
+    Across hosts: call it on each of ``nnodes`` hosts with its ``node_rank`` and the same ``master``
+    (``HOST:PORT`` of node 0, or ``file:PATH`` on a shared filesystem), ``host`` this host's address
+    (default: its hostname); ``nprocs`` ranks per host; a host silent for ``node_timeout_s`` is lost
+    (``elastic_nodes``). Results and recoveries are then this host's ranks' only."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     try:
@@ -222,6 +248,16 @@ def launch(
             f"launch: fn and args must pickle, since the spawned ranks import them by name (make fn a "
             f"module-level function): {err}"
         ) from None
+    if nnodes > 1 or master is not None:
+        if master is None:
+            raise ValueError("an elastic job across hosts needs master (HOST:PORT of node 0, or file:PATH)")
+        from steptune.resilience.elastic_nodes import launch_nodes
+
+        return launch_nodes(
+            fn, nprocs, *args, nnodes=nnodes, node_rank=node_rank, master=master, host=host,
+            timeout_s=timeout_s, group_timeout_s=group_timeout_s, threads=threads,
+            node_timeout_s=node_timeout_s,
+        )  # fmt: skip
     if timeout_s is None:
         timeout_s = math.inf
     spec = {"ranks": nprocs, "mode": "survive", "timeout_s": timeout_s, "fn": fn, "args": args,
@@ -240,6 +276,7 @@ def toy_train(
     ctx: Elastic, steps: int, kills: list[list[int]] | None = None, errors: list[list[int]] | None = None,
     seed: int = 0, late_kills: list[list[int]] | None = None, stalls: list[list[float]] | None = None,
     sync_kills: list[list[int]] | None = None, sync_misses: list[list[int]] | None = None,
+    agent_kills: list[list[int]] | None = None,
 ) -> dict[int, float]:  # fmt: skip
     """The loop of the module docstring on a small MLP (the tests' training function): every step a
     global batch of 24 items from ``seed`` and the step, this rank's share of it, AdamW. Fault injection
@@ -249,7 +286,8 @@ def toy_train(
     just before it: the survivors' attempt fails after they have stepped. ``stalls`` ([[rank, step,
     seconds], ...], before any recovery only) sleep before the sync: a peer slower than the group timeout.
     The split outcome of a death inside the sync (before any recovery only): ``sync_kills`` die once it
-    completed, ``sync_misses`` see it fail although it completed."""
+    completed, ``sync_misses`` see it fail although it completed. ``agent_kills`` SIGKILL the process that
+    spawned this rank (a host agent of ``elastic_nodes``: the whole host is lost) before the sync."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -267,6 +305,9 @@ def toy_train(
                 os.kill(os.getpid(), signal.SIGKILL)
             if [ctx.orig, ctx.step] in (errors or []):
                 raise RuntimeError(f"injected: a bug in rank {ctx.orig}'s step {ctx.step}")
+            if [ctx.orig, ctx.step] in (agent_kills or []):
+                os.kill(os.getppid(), signal.SIGKILL)
+                time.sleep(60)  # the agent's death kills this rank too (PR_SET_PDEATHSIG)
             for rank, step, seconds in stalls or []:
                 if (rank, step) == (ctx.orig, ctx.step) and ctx.generation == 0:
                     time.sleep(seconds)

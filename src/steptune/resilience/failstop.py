@@ -153,6 +153,51 @@ def split_sync(spec: dict[str, Any], orig: int, step: int, gen: int) -> Iterator
         raise RuntimeError(f"rank {orig}: injected: the all-reduce of step {step} is seen as failed")
 
 
+class Coordinator:
+    """The launcher's side of survival: which ranks are alive and finished, and the member lists it writes
+    to the store (``members/<gen>``; see ``recovery.rejoin`` for the ranks' side). Fed with events by
+    whoever watches the ranks: ``run_failstop`` on one host, ``elastic_nodes`` across hosts."""
+
+    def __init__(self, store: Any, ranks: set[int], *, survive: bool = True) -> None:
+        self.store, self.survive = store, survive
+        self.alive = set(ranks)  # not dead (finished ones included)
+        self.finished: set[int] = set()
+        self.lost: dict[int, int | None] = {}  # rank -> exit code (-9: SIGKILLed; 1: an exception)
+        self.gen = 0
+        self.listed = sorted(ranks)  # the last member list written (generation ``gen``)
+
+    @property
+    def done(self) -> bool:
+        return self.alive <= self.finished
+
+    def relist(self) -> None:
+        """The next generation: every live rank that has not finished."""
+        self.gen += 1
+        self.listed = sorted(self.alive - self.finished)
+        self.store.set(f"members/{self.gen}", json.dumps(self.listed))
+
+    def finished_rank(self, rank: int) -> None:
+        self.finished.add(rank)
+        pending = self.gen > 0 and rank in self.listed and not _formed(self.store, self.gen)
+        if self.survive and pending and not self.done:
+            # A split last step: its all-reduce completed on this rank, which is done, and failed on
+            # others, which rejoin to redo it. It will never announce itself: list the rest again.
+            self.relist()
+
+    def died(self, codes: dict[int, int | None]) -> None:
+        self.alive -= set(codes)
+        self.lost.update(codes)
+        if self.survive:
+            self.relist()
+
+    def tick(self) -> None:
+        """Between events: a peer that was only slow past the group timeout makes every rank see a
+        collective fail and rejoin although nobody died; list them all again (a death would leave one
+        silent: not listed here)."""
+        if self.survive and _all_rejoining(self.store, self.gen + 1, self.alive - self.finished):
+            self.relist()
+
+
 def _all_rejoining(store: Any, gen: int, ranks: set[int]) -> bool:
     """Whether every one of ``ranks`` announced itself for generation ``gen`` and no list for it exists."""
     announced = [f"alive/{gen}/{r}" for r in sorted(ranks)]
@@ -190,17 +235,8 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
     t0 = time.time()
     for p in procs.values():
         p.start()
-    gen, alive, finished, infos = 0, set(procs), {}, {}
-    survive = spec.get("mode") != "restart"
-    lost: dict[int, int | None] = {}  # rank -> exit code (-9: SIGKILLed; 1: an exception, on stderr)
-    listed = sorted(alive)  # the last member list written (generation ``gen``)
-
-    def relist() -> None:  # the next generation: every live rank that has not finished
-        nonlocal gen, listed
-        gen += 1
-        listed = sorted(alive - set(finished))
-        store.set(f"members/{gen}", json.dumps(listed))
-
+    coord = Coordinator(store, set(procs), survive=spec.get("mode") != "restart")
+    alive, finished, infos = coord.alive, {}, {}
     deadline = t0 + float(spec.get("timeout_s", 300))
     restarts = 0
     while len(finished) < len(alive) and time.time() < deadline:
@@ -211,27 +247,19 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
                     p.kill()
                 raise RuntimeError(f"rank {rank} raised (the job is stopped):\n{info['error']}")
             finished[rank], infos[rank] = losses, info
-            pending = gen > 0 and rank in listed and not _formed(store, gen)
-            if survive and pending and len(finished) < len(alive):
-                # A split last step: its all-reduce completed on this rank, which is done, and failed on
-                # others, which rejoin to redo it. It will never announce itself: list the rest again.
-                relist()
+            coord.finished_rank(rank)
             continue
         except queue.Empty:
             pass
         dead = [r for r in alive if not procs[r].is_alive() and r not in finished]
         if not dead:
-            if survive and _all_rejoining(store, gen + 1, alive - set(finished)):
-                # A peer was only slow past the group timeout: nobody died, yet every rank saw a collective
-                # fail and rejoins. List them all again (a death would leave one silent: not listed here).
-                relist()
+            coord.tick()
             continue
         if spec.get("mode") == "restart":
             # Workers that saw a collective fail exit with 1 (torchrun stops them anyway); the lost one is
             # the one that did not (SIGKILLed). Polling may see both at once, so tell them apart here.
             dead = [r for r in dead if procs[r].exitcode != 1] or dead
-        alive -= set(dead)
-        lost.update({r: procs[r].exitcode for r in dead})
+        coord.died({r: procs[r].exitcode for r in dead})
         if spec.get("mode") == "restart":  # torchrun: stop everyone, start N-1 fresh from the checkpoint
             for r in alive:
                 procs[r].kill()
@@ -243,8 +271,6 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
             procs.update(_launch(world, spec, ctx, store, out, members, worker))
             for r in members:
                 procs[r].start()
-        else:
-            relist()
     wall = time.time() - t0
     for p in procs.values():
         if p.is_alive():
@@ -264,7 +290,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
         "losses": losses,
         "losses_by_rank": finished,
         "survivors": sorted(alive),
-        "lost": lost,
+        "lost": coord.lost,
         "restarts": restarts,
     }
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from steptune.core.dist import abort_group, new_gloo_group
+from steptune.core.dist import LOOPBACK, abort_group, new_gloo_group
 
 __all__ = [
     "CommitFailed",
@@ -106,7 +106,7 @@ class Snapshots:
 
 def rejoin(
     store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta, *, epoch: int = 0,
-    die: bool = False,
+    die: bool = False, host: str = LOOPBACK,
 ) -> Rejoined:  # fmt: skip
     """After a failed collective: announce this rank alive for generation ``gen``, wait for the launcher's
     member list, build the survivors' group and agree on the step to resume from (the lowest one any
@@ -114,13 +114,13 @@ def rejoin(
     rank's count of committed state copies). A member that dies during this (a second failure in the
     recovery window) never announces itself, or breaks the new group; the launcher then lists the survivors
     again as generation ``gen + 1`` and this rank joins that one. ``die``: SIGKILL this rank first (fault
-    injection: a death during recovery)."""
+    injection: a death during recovery). ``host``: the address this rank's gloo device binds to."""
     if die:  # once the launcher has listed this rank among the survivors: the others must supersede it
         store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
         os.kill(os.getpid(), signal.SIGKILL)
     while True:
         try:
-            members, group, resume, agreed = _join(store, orig, gen, step, epoch, timeout)
+            members, group, resume, agreed = _join(store, orig, gen, step, epoch, timeout, host)
             return Rejoined(members, group, resume, gen, agreed)
         except (_Superseded, RuntimeError):  # RuntimeError: a member died after announcing itself
             pass
@@ -226,12 +226,14 @@ class _Superseded(Exception):
 
 
 def _join(
-    store: Any, orig: int, gen: int, step: int, epoch: int, timeout: datetime.timedelta
+    store: Any, orig: int, gen: int, step: int, epoch: int, timeout: datetime.timedelta, host: str = LOOPBACK
 ) -> tuple[list[int], Any, int, int]:
     """One generation's rejoin. Store failures end the recovery (ConnectionError, TimeoutError: no retry
     can help); a RuntimeError means the new group broke, and the caller tries the next generation."""
     members = _listed(store, orig, gen, step, timeout)
-    group = new_gloo_group(store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout)
+    group = new_gloo_group(
+        store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout, host=host
+    )
     done = torch.tensor([float(step), -float(epoch)])  # MIN of the step, MAX of the epoch
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN

@@ -1,0 +1,193 @@
+"""``elastic`` across hosts: one agent per host spawns that host's ranks and reports on them through the
+store; the agent of node 0 also owns the store and writes the member lists.
+
+    # on every host (node 0 first, or within a minute of each other):
+    launch(train, 8, 100, nnodes=4, node_rank=K, master="node0.cluster:29400", host="<this host's address>")
+
+Contract. Node 0's agent owns the ``TCPStore`` at ``master`` (``HOST:PORT``; or ``file:PATH``, a file on a
+shared filesystem where node 0 writes the address it bound, port chosen by the OS). Node K runs original
+ranks ``K * nprocs`` to ``(K + 1) * nprocs - 1``, each with its gloo device bound to ``host``. An agent
+reports each of its ranks as ``finished/<rank>``, ``exit/<rank>`` (its exit code: a death) or
+``error/<rank>`` (a traceback of the user's code, which stops the job), and beats ``node/<K>/beat``
+every 0.25 s. Node 0 turns these into ``failstop.Coordinator`` events; a node whose beat stops for
+``node_timeout_s`` is a lost host, all its unfinished ranks dead (its ranks die with their agent:
+PR_SET_PDEATHSIG). The ranks' side (rejoin, roll back, redo the step) is ``elastic.Elastic``'s. At the end
+node 0 writes ``job/end`` (survivors, lost ranks) and waits up to 10 s for every live agent to read it.
+
+Limits: node 0 is not survivable (the store and the member lists live there, as torchrun's c10d rendezvous
+lives on its host); the coordinator polls a few store keys per rank every 50 ms, which suits tens of ranks,
+not thousands; gloo only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from steptune.resilience.failstop import Coordinator
+
+__all__ = ["launch_nodes"]
+
+_BEAT_S = 0.25
+_STARTUP_S = 60.0  # how long a node may take to send its first beat
+
+
+def _rendezvous(master: str, node_rank: int, host: str) -> tuple[Any, str, int]:
+    """The store (node 0 creates it) and its address."""
+    timeout = datetime.timedelta(seconds=60)
+    if master.startswith("file:"):
+        path = Path(master[len("file:") :])
+        if node_rank == 0:
+            store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            tmp.write_text(f"{host}:{store.port}")
+            tmp.replace(path)  # atomic: a reader never sees half an address
+            return store, host, int(store.port)
+        deadline = time.monotonic() + 60.0
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node_rank}: node 0 wrote no address to {path} within 60 s")
+            time.sleep(0.05)
+        master = path.read_text().strip()
+    addr, _, port_text = master.rpartition(":")
+    if not addr or not port_text.isdigit():
+        raise ValueError(f"master must be HOST:PORT or file:PATH, got {master!r}")
+    is_master = node_rank == 0
+    store = dist.TCPStore(addr, int(port_text), is_master=is_master, wait_for_workers=False, timeout=timeout)
+    return store, addr, int(store.port)
+
+
+class _Watch:
+    """Node 0's view of every rank and node, from the agents' store keys, fed to the ``Coordinator``."""
+
+    def __init__(self, store: Any, world: int, nprocs: int, nnodes: int, node_timeout_s: float) -> None:
+        self.store, self.world, self.nprocs, self.node_timeout_s = store, world, nprocs, node_timeout_s
+        self.coord = Coordinator(store, set(range(world)))
+        t0 = time.monotonic()
+        self.beats: dict[int, tuple[bytes | None, float]] = {k: (None, t0) for k in range(nnodes)}
+
+    def poll(self) -> str | None:
+        """Feed new events to the coordinator; returns an error to stop the job with, or None."""
+        coord, store = self.coord, self.store
+        dead: dict[int, int | None] = {}
+        for r in sorted(coord.alive - coord.finished):
+            if store.check([f"error/{r}"]):
+                return f"rank {r} raised (the job is stopped):\n{store.get(f'error/{r}').decode()}"
+            if store.check([f"finished/{r}"]):
+                coord.finished_rank(r)
+            elif store.check([f"exit/{r}"]):
+                dead[r] = int(store.get(f"exit/{r}").decode())
+        now = time.monotonic()
+        for k, (seen, since) in self.beats.items():
+            beat = store.get(f"node/{k}/beat") if store.check([f"node/{k}/beat"]) else None
+            if beat != seen:
+                self.beats[k] = (beat, now)
+                continue
+            limit = self.node_timeout_s if seen is not None else _STARTUP_S
+            if now - since > limit:  # a lost host: its agent and (through PDEATHSIG) its ranks are gone
+                for r in range(k * self.nprocs, (k + 1) * self.nprocs):
+                    if r in coord.alive and r not in coord.finished and r not in dead:
+                        dead[r] = None
+                self.beats[k] = (beat, math.inf)  # reported once
+        if dead:
+            coord.died(dead)
+        else:
+            coord.tick()
+        return None
+
+
+def launch_nodes(
+    fn: Callable[..., Any], nprocs: int, *args: Any, nnodes: int, node_rank: int, master: str,
+    host: str | None = None, timeout_s: float | None = None, group_timeout_s: float = 20.0, threads: int = 1,
+    node_timeout_s: float = 5.0,
+) -> dict[str, Any]:  # fmt: skip
+    """This host's part of an elastic job of ``nnodes`` hosts x ``nprocs`` ranks (see ``elastic.launch``,
+    which calls this when ``nnodes > 1`` or ``master`` is given). Returns ``{"results": {orig rank: fn's
+    return value} for this host's finished ranks, "survivors" and "lost" (the whole job's), "recoveries"
+    (this host's), "wall_s"}``."""
+    from steptune.resilience import elastic
+
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be in 0..{nnodes - 1}, got {node_rank}")
+    host = host or socket.gethostname()
+    store, store_host, port = _rendezvous(master, node_rank, host)
+    world = nnodes * nprocs
+    mine = list(range(node_rank * nprocs, (node_rank + 1) * nprocs))
+    spec = {"ranks": world, "mode": "survive", "fn": fn, "args": args, "group_timeout_s": group_timeout_s,
+            "threads": threads, "store_host": store_host, "host": host}  # fmt: skip
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = {
+        r: ctx.Process(target=elastic._worker, args=(r, world, port, spec, out), daemon=True) for r in mine
+    }
+    t0 = time.time()
+    for p in procs.values():
+        p.start()
+    watch = _Watch(store, world, nprocs, nnodes, node_timeout_s) if node_rank == 0 else None
+    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    infos: dict[int, Any] = {}
+    reported: set[int] = set()
+    beat, next_beat = 0, 0.0
+    try:
+        while not store.check(["job/end"]):
+            if time.monotonic() >= next_beat:
+                beat += 1
+                store.set(f"node/{node_rank}/beat", str(beat))
+                next_beat = time.monotonic() + _BEAT_S
+            try:
+                rank, _, info = out.get(timeout=0.05)
+                if "error" in info:
+                    store.set(f"error/{rank}", info["error"])
+                else:
+                    infos[rank] = info
+                    store.set(f"finished/{rank}", "1")
+                reported.add(rank)
+                continue
+            except queue.Empty:
+                pass
+            for r, p in procs.items():  # after the queue is drained: a finished rank's result came first
+                if r not in reported and not p.is_alive():
+                    store.set(f"exit/{r}", str(p.exitcode))
+                    reported.add(r)
+            if store.check(["job/stop"]):
+                raise RuntimeError(store.get("job/stop").decode())
+            if watch is not None:
+                stop = watch.poll()
+                if stop is None and time.monotonic() > deadline:
+                    stop = f"the elastic job did not finish in {timeout_s} s"
+                if stop is not None:
+                    store.set("job/stop", stop)
+                    raise RuntimeError(stop) if "raised" in stop else TimeoutError(stop)
+                if watch.coord.done:
+                    end = {"survivors": sorted(watch.coord.alive), "lost": watch.coord.lost}
+                    store.set("job/end", json.dumps(end))
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+    end = json.loads(store.get("job/end").decode())
+    if watch is None:
+        store.set(f"node/{node_rank}/ack", "1")
+    else:  # the store dies with this process: let every live agent read the end first
+        acks = [f"node/{k}/ack" for k in sorted({r // nprocs for r in end["survivors"]} - {0})]
+        wait_until = time.monotonic() + 10.0
+        while acks and time.monotonic() < wait_until and not store.check(acks):
+            time.sleep(0.05)
+    return {
+        "results": {r: info["result"] for r, info in sorted(infos.items())},
+        "survivors": end["survivors"],
+        "lost": {int(r): code for r, code in end["lost"].items()},
+        "recoveries": {r: info["recoveries"] for r, info in sorted(infos.items())},
+        "wall_s": time.time() - t0,
+    }

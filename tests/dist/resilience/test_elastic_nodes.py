@@ -1,0 +1,61 @@
+"""``elastic`` across hosts (``elastic_nodes``): two host agents on loopback, each running the example
+with two ranks; a rank's death and a whole host's death are survived by the rest."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steptune.resilience.elastic import launch, toy_train
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "elastic_dp.py"
+
+
+def _two_hosts(tmp_path, *flags):
+    master = f"file:{tmp_path / 'rdzv'}"
+    cmds = [
+        [sys.executable, str(EXAMPLE), "--nnodes", "2", "--node-rank", str(k), "--master", master,
+         "--ranks", "2", "--steps", "8", *flags]
+        for k in (0, 1)
+    ]  # fmt: skip
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    outs = [p.communicate(timeout=150) for p in procs]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+def _diff(out):
+    return float(re.search(r"max relative difference (\S+);", out).group(1))
+
+
+def test_a_rank_lost_on_one_host_is_survived_by_both_hosts(tmp_path):
+    (rc0, out0, err0), (rc1, out1, err1) = _two_hosts(tmp_path, "--kill", "3:2")
+    assert rc0 == 0 and rc1 == 0, (err0[-2000:], err1[-2000:])
+    for out in (out0, out1):
+        assert "rank 3 lost (SIGKILL)" in out, out
+        assert "failed in step 2, resumed at step 2 with ranks [0, 1, 2]" in out, out
+        assert "survivors [0, 1, 2]: 8 of 8 steps" in out, out
+        assert _diff(out) <= 1e-5, out
+
+
+def test_a_lost_host_is_survived_by_the_other(tmp_path):
+    # Rank 2 kills its host agent in step 5: the agent's ranks die with it (PR_SET_PDEATHSIG), node 0
+    # sees its beat stop and lists ranks 0 and 1.
+    (rc0, out0, err0), (rc1, _, _) = _two_hosts(tmp_path, "--kill", "none", "--kill-host", "2:5")
+    assert rc1 == -9
+    assert rc0 == 0, err0[-2000:]
+    assert "rank 2 lost (its host was lost)" in out0 and "rank 3 lost (its host was lost)" in out0, out0
+    assert "failed in step 5, resumed at step 5 with ranks [0, 1]" in out0, out0
+    assert "survivors [0, 1]: 8 of 8 steps" in out0 and _diff(out0) <= 1e-5, out0
+
+
+def test_a_bad_master_says_what_to_pass():
+    with pytest.raises(ValueError, match="HOST:PORT or file:PATH"):
+        launch(toy_train, 1, 2, nnodes=2, node_rank=1, master="nohostport")
+    with pytest.raises(ValueError, match="needs master"):
+        launch(toy_train, 1, 2, nnodes=2)
+    with pytest.raises(ValueError, match=r"node_rank must be in 0\.\.1"):
+        launch(toy_train, 1, 2, nnodes=2, node_rank=2, master="127.0.0.1:1")
