@@ -33,11 +33,13 @@ def test_every_option_with_a_default_shows_it():
         formatter = parser._get_formatter()
         for action in parser._actions:
             default = action.default
-            if not action.option_strings or default in (None, False, True, [], argparse.SUPPRESS):
+            trivial = default is None or isinstance(default, bool) or default in ([], argparse.SUPPRESS)
+            if not action.option_strings or trivial:
                 continue
             text = formatter._get_help_string(action) % {"default": default}
             shown += 1
-            if "default" not in text.lower():
+            spelled = {str(default), f"{default:g}" if isinstance(default, float) else str(default)}
+            if "default" not in text.lower() or not any(v in text for v in spelled):
                 silent.append(f"{' '.join(path)} {action.option_strings[-1]}")
     assert shown >= 60, shown
     assert not silent, "options whose help hides the default: " + ", ".join(silent)

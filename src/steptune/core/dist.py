@@ -33,9 +33,11 @@ __all__ = [
     "isend",
     "master_store",
     "new_gloo_group",
+    "pack_grads",
     "print0",
     "recv",
     "send",
+    "unpack_grads",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -90,24 +92,42 @@ def recv(tensor: torch.Tensor, src: int, group: Any, *, tag: int = 0) -> None:
     irecv(tensor, src, group, tag=tag).wait()
 
 
-def allreduce_grads(
-    params: Sequence[torch.nn.Parameter], group: Any, owned: Container[int] | None = None
-) -> None:
-    """SUM the gradients of ``params`` over ``group`` in one message (fp32) and give each back in its own
-    dtype. A parameter without a gradient adds zeros and receives the sum. With ``owned`` (indices into
-    ``params``) only those contribute and receive it; the others add zeros and are left with no gradient,
-    so ranks holding different layers (pipeline stages) can sync layer-wise."""
+def pack_grads(
+    params: Sequence[torch.nn.Parameter], owned: Container[int] | None = None
+) -> tuple[torch.Tensor, list[bool]]:
+    """The gradients of ``params`` as one flat tensor for a SUM all-reduce (fp32, or fp64 if any parameter
+    is fp64), and which of them are kept (``owned``; see ``allreduce_grads``). A missing gradient or one
+    not owned adds zeros."""
     keep = [owned is None or i in owned for i in range(len(params))]
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     parts = [
-        p.grad.reshape(-1).float() if k and p.grad is not None else torch.zeros(p.numel(), device=p.device)
+        p.grad.reshape(-1).to(dtype)
+        if k and p.grad is not None
+        else torch.zeros(p.numel(), dtype=dtype, device=p.device)
         for p, k in zip(params, keep, strict=True)
     ]
-    flat = torch.cat(parts)
-    group.allreduce([flat]).wait()
+    return torch.cat(parts), keep
+
+
+def unpack_grads(params: Sequence[torch.nn.Parameter], flat: torch.Tensor, keep: Sequence[bool]) -> None:
+    """Give each kept parameter its slice of the reduced ``flat`` in its own dtype; the others none."""
     off = 0
     for p, k in zip(params, keep, strict=True):
         p.grad = flat[off : off + p.numel()].view_as(p).to(p.dtype, copy=True) if k else None
         off += p.numel()
+
+
+def allreduce_grads(
+    params: Sequence[torch.nn.Parameter], group: Any, owned: Container[int] | None = None
+) -> None:
+    """SUM the gradients of ``params`` over ``group`` in one message and give each back in its own dtype
+    (``pack_grads``, then ``unpack_grads``). A parameter without a gradient adds zeros and receives the
+    sum. With ``owned`` (indices into ``params``) only those contribute and receive it; the others add
+    zeros and are left with no gradient, so ranks holding different layers (pipeline stages) can sync
+    layer-wise."""
+    flat, keep = pack_grads(params, owned)
+    group.allreduce([flat]).wait()
+    unpack_grads(params, flat, keep)
 
 
 def abort_group(group: Any) -> None:

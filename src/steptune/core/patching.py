@@ -27,6 +27,7 @@ class SharedPatch:
         self._lock = threading.Lock()
         self._users = 0
         self._saved: dict[tuple[int, str], tuple[Any, Any]] = {}  # (id(owner), name) -> (owner, own value)
+        self._installed: list[tuple[int, str]] = []  # what this install replaced (targets() may vary)
 
     def original(self, owner: Any, name: str) -> Any:
         """What ``owner`` itself held under ``name`` before the install (its ``__dict__`` entry, so a
@@ -41,8 +42,10 @@ class SharedPatch:
     def held(self) -> Iterator[None]:
         with self._lock:
             if self._users == 0:
+                self._installed = []
                 for owner, name, replacement in self._targets():
                     self._saved[(id(owner), name)] = (owner, vars(owner).get(name, MISSING))
+                    self._installed.append((id(owner), name))
                     setattr(owner, name, replacement)
             self._users += 1
         try:
@@ -51,7 +54,9 @@ class SharedPatch:
             with self._lock:
                 self._users -= 1
                 if self._users == 0:
-                    for (_, name), (owner, value) in self._saved.items():
+                    for key in self._installed:
+                        owner, value = self._saved[key]
+                        name = key[1]
                         if value is MISSING:
                             delattr(owner, name)
                         else:

@@ -39,7 +39,9 @@ slow past ``group_timeout_s`` makes its peers' collective fail, and its own once
 every live rank has announced itself, the launcher lists them all again and the step is redone by all.
 A death inside the last step's sync can let it complete on some ranks, which return, and fail on others:
 the launcher then lists the others alone and they redo that step. A death before the first group forms
-(a bad node at start-up) costs the others one ``group_timeout_s``; their first ``attempt`` then rejoins.
+(a bad node at start-up) is survived too: the ranks meet at a store barrier first (spawned ranks start
+seconds apart on a loaded host), which ends when the launcher lists survivors; their first ``attempt``
+then rejoins.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steptune.core.dist import LOOPBACK, abort_group, allreduce_grads, connect_store, new_gloo_group
+from steptune.core.dist import LOOPBACK, abort_group, connect_store, new_gloo_group, pack_grads, unpack_grads
 from steptune.resilience.failstop import run_failstop
 from steptune.resilience.recovery import Snapshots, rejoin
 
@@ -88,6 +90,9 @@ class Elastic:
         self._snapshots: Snapshots | None = None
         self._failed = False
         self._group: Any = None
+        if not _all_started(store, orig, self.members):  # a peer died at start-up: rejoin right away
+            self._failed = True
+            return
         try:
             self._group = new_gloo_group(
                 store, members.index(orig), len(members), prefix="gen0", timeout=self._timeout, host=host
@@ -116,7 +121,8 @@ class Elastic:
 
     def sync(self, model: nn.Module, loss: torch.Tensor | float | None = None) -> float:
         """All-reduce (SUM) ``model``'s gradients and ``loss`` over the survivors; returns the summed loss
-        (0.0 without one). Gradients travel in fp32 (one message) and come back in their own dtype. Raises
+        (0.0 without one). Gradients travel in fp32 (fp64 if a parameter is; one message) and come back in
+        their own dtype. Raises
         ``PeerLost`` if a peer died (``attempt`` handles it)."""
         if self._synced:
             raise RuntimeError(
@@ -127,36 +133,35 @@ class Elastic:
         params = [p for p in model.parameters() if p.requires_grad]
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)
         total = torch.tensor([value], device=params[0].device if params else "cpu")
-        self._collective(lambda group: allreduce_grads(params, group))
+        flat, keep = pack_grads(params)  # local work stays outside: its errors are not a peer's death
+        self.all_reduce(flat)
         self.all_reduce(total)
+        unpack_grads(params, flat, keep)
         return float(total.item())
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """SUM ``tensor`` in place over the survivors (for metrics or your own synchronisation). Raises
         ``PeerLost`` if a peer died."""
-        self._collective(lambda group: group.allreduce([tensor]).wait())
-        return tensor
-
-    def _collective(self, run: Callable[[Any], Any]) -> None:
         if self._group is None:
             raise RuntimeError(
                 "the group is gone after a peer's death: call ctx.sync / ctx.all_reduce inside "
                 "ctx.attempt(), which rejoins the survivors first"
             )
         try:
-            run(self._group)
+            self._group.allreduce([tensor]).wait()
         except RuntimeError as err:
             raise PeerLost(str(err)) from None  # no chained traceback holding the group's frames
+        return tensor
 
     @contextmanager
     def attempt(self) -> Iterator[None]:
         """One try of step ``self.step``: on success the step advances; a failed collective inside it
         (``PeerLost``) abandons the step (the exception is swallowed) and the next ``attempt`` recovers
         first. Any other exception is yours and propagates."""
-        if self._failed:
-            self._recover()
         if self._snapshots is None:
             raise RuntimeError("call ctx.track(model, optimizer, ...) before the first ctx.attempt()")
+        if self._failed:
+            self._recover()
         self._snapshots.take(self.step)
         self._synced = False
         try:
@@ -209,6 +214,20 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
         out.put((orig, {}, {"error": traceback.format_exc()}))
         return
     out.put((orig, {}, info))
+
+
+def _all_started(store: Any, orig: int, members: list[int], wait_s: float = 120.0) -> bool:
+    """A store barrier before the first group: spawned ranks start seconds apart on a loaded host, more
+    than a group timeout that suits collectives. False when the launcher lists survivors first (a rank
+    died at start-up) or ``wait_s`` passes."""
+    store.set(f"started/{orig}", "1")
+    keys = [f"started/{m}" for m in members]
+    deadline = time.monotonic() + wait_s
+    while not store.check(keys):
+        if store.check(["members/1"]) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _die_with_parent() -> None:

@@ -100,10 +100,13 @@ class _Watch:
                     if r in coord.alive and r not in coord.finished and r not in dead:
                         dead[r] = None
                 self.beats[k] = (beat, math.inf)  # reported once
-        if dead:
-            coord.died(dead)
-        else:
-            coord.tick()
+        try:
+            if dead:
+                coord.died(dead)
+            else:
+                coord.tick()
+        except RuntimeError as err:  # the coordinator's verdict: a rank raised, or no progress is possible
+            return str(err)
         return None
 
 
@@ -168,7 +171,7 @@ def launch_nodes(
                     stop = f"the elastic job did not finish in {timeout_s} s"
                 if stop is not None:
                     store.set("job/stop", stop)
-                    raise RuntimeError(stop) if "raised" in stop else TimeoutError(stop)
+                    raise TimeoutError(stop) if stop.endswith(" s") else RuntimeError(stop)
                 if watch.coord.done:
                     end = {"survivors": sorted(watch.coord.alive), "lost": watch.coord.lost}
                     store.set("job/end", json.dumps(end))

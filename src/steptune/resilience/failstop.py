@@ -153,6 +153,9 @@ def split_sync(spec: dict[str, Any], orig: int, step: int, gen: int) -> Iterator
         raise RuntimeError(f"rank {orig}: injected: the all-reduce of step {step} is seen as failed")
 
 
+_MAX_IDLE_RELISTS = 3
+
+
 class Coordinator:
     """The launcher's side of survival: which ranks are alive and finished, and the member lists it writes
     to the store (``members/<gen>``; see ``recovery.rejoin`` for the ranks' side). Fed with events by
@@ -165,6 +168,7 @@ class Coordinator:
         self.lost: dict[int, int | None] = {}  # rank -> exit code (-9: SIGKILLed; 1: an exception)
         self.gen = 0
         self.listed = sorted(ranks)  # the last member list written (generation ``gen``)
+        self._idle: tuple[int, int] = (-1, 0)  # (step, count) of relists in a row with nobody dead
 
     @property
     def done(self) -> bool:
@@ -185,17 +189,39 @@ class Coordinator:
             self.relist()
 
     def died(self, codes: dict[int, int | None]) -> None:
+        """``codes``: exit code by rank (negative: the signal that killed it; None: its host was lost). A
+        rank that exited with a positive code raised (its traceback is on its stderr): in survival mode
+        that is a bug, not a fail-stop death, and the job is stopped."""
         self.alive -= set(codes)
         self.lost.update(codes)
+        raised = {r: c for r, c in codes.items() if c is not None and c > 0}
+        if self.survive and raised:
+            raise RuntimeError(
+                f"ranks {sorted(raised)} exited with an exception (exit codes {raised}; the traceback is on "
+                "their stderr): not a death to survive, so the job is stopped"
+            )
         if self.survive:
+            self._idle = (-1, 0)
             self.relist()
 
     def tick(self) -> None:
         """Between events: a peer that was only slow past the group timeout makes every rank see a
         collective fail and rejoin although nobody died; list them all again (a death would leave one
-        silent: not listed here)."""
-        if self.survive and _all_rejoining(self.store, self.gen + 1, self.alive - self.finished):
-            self.relist()
+        silent: not listed here). The same failure at the same step every time is no fail-stop: after
+        ``_MAX_IDLE_RELISTS`` such relists in a row the job is stopped."""
+        waiting = self.alive - self.finished
+        if not (self.survive and _all_rejoining(self.store, self.gen + 1, waiting)):
+            return
+        step = min(int(self.store.get(f"alive/{self.gen + 1}/{r}").decode()) for r in waiting)
+        count = self._idle[1] + 1 if self._idle[0] == step else 1
+        if count > _MAX_IDLE_RELISTS:
+            raise RuntimeError(
+                f"every rank failed a collective at step {step} {count} times in a row with no rank dead: "
+                "not a fail-stop (a collective that can never complete, e.g. tensors of different shapes "
+                "on different ranks, or a peer slower than the group timeout every time)"
+            )
+        self._idle = (step, count)
+        self.relist()
 
 
 def _all_rejoining(store: Any, gen: int, ranks: set[int]) -> bool:
@@ -239,48 +265,51 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
     alive, finished, infos = coord.alive, {}, {}
     deadline = t0 + float(spec.get("timeout_s", 300))
     restarts = 0
-    while len(finished) < len(alive) and time.time() < deadline:
-        try:
-            rank, losses, info = out.get(timeout=0.05)
-            if "error" in info:  # the worker's own code raised: not a death for the others to survive
-                for p in procs.values():
-                    p.kill()
-                raise RuntimeError(f"rank {rank} raised (the job is stopped):\n{info['error']}")
-            finished[rank], infos[rank] = losses, info
-            coord.finished_rank(rank)
-            continue
-        except queue.Empty:
-            pass
-        dead = [r for r in alive if not procs[r].is_alive() and r not in finished]
-        if not dead:
-            coord.tick()
-            continue
-        if spec.get("mode") == "restart":
-            # Workers that saw a collective fail exit with 1 (torchrun stops them anyway); the lost one is
-            # the one that did not (SIGKILLed). Polling may see both at once, so tell them apart here.
-            dead = [r for r in dead if procs[r].exitcode != 1] or dead
-        coord.died({r: procs[r].exitcode for r in dead})
-        if spec.get("mode") == "restart":  # torchrun: stop everyone, start N-1 fresh from the checkpoint
-            for r in alive:
-                procs[r].kill()
-            for r in alive:
-                procs[r].join(5)
-            restarts += 1
-            members = sorted(alive)
-            spec = {**spec, "resume": True, "gen": 100 + restarts}
-            procs.update(_launch(world, spec, ctx, store, out, members, worker))
-            for r in members:
-                procs[r].start()
+    try:
+        while len(finished) < len(alive) and time.time() < deadline:
+            try:
+                rank, losses, info = out.get(timeout=0.05)
+                if "error" in info:  # the worker's own code raised: not a death for the others to survive
+                    raise RuntimeError(f"rank {rank} raised (the job is stopped):\n{info['error']}")
+                finished[rank], infos[rank] = losses, info
+                coord.finished_rank(rank)
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r in alive if not procs[r].is_alive() and r not in finished]
+            if not dead:
+                coord.tick()
+                continue
+            if spec.get("mode") == "restart":
+                # Workers that saw a collective fail exit with 1 (torchrun stops them anyway); the lost one is
+                # the one that did not (SIGKILLed). Polling may see both at once, so tell them apart here.
+                dead = [r for r in dead if procs[r].exitcode != 1] or dead
+            coord.died({r: procs[r].exitcode for r in dead})
+            if spec.get("mode") == "restart":  # torchrun: stop everyone, start N-1 fresh from the checkpoint
+                for r in alive:
+                    procs[r].kill()
+                for r in alive:
+                    procs[r].join(5)
+                restarts += 1
+                members = sorted(alive)
+                spec = {**spec, "resume": True, "gen": 100 + restarts}
+                procs.update(_launch(world, spec, ctx, store, out, members, worker))
+                for r in members:
+                    procs[r].start()
+    except BaseException:  # a stopped job (a rank's error, the coordinator's verdict, Ctrl-C): no rank left
+        for p in procs.values():
+            p.kill()
+        raise
     wall = time.time() - t0
     for p in procs.values():
         if p.is_alive():
             p.kill()
-    if not finished:
-        raise RuntimeError("every rank of the fail-stop run exited without finishing; their stderr says why")
-    if len(finished) < len(alive):
+    if len(finished) < len(alive) and alive:  # the deadline passed with ranks still running
         raise TimeoutError(
             f"fail-stop run did not finish in {spec.get('timeout_s', 300)} s ({sorted(finished)} done)"
         )
+    if not finished:
+        raise RuntimeError("every rank of the fail-stop run exited without finishing; their stderr says why")
     losses = next(iter(finished.values()))
     return {
         "info": infos[min(infos)],

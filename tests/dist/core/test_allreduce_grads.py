@@ -25,7 +25,19 @@ def test_gradients_are_summed_and_keep_their_dtype():
     (w0, b0, w1, b1) = res[0]
     assert w0 == (torch.float32, [1.0 + 2.0] * 6)
     assert b0 == (torch.float32, [2.0] * 3)  # rank 1 had none: it added zeros and received the sum
-    assert w1 == (torch.bfloat16, [(1 + 2) + (2 + 2)] * 3) and b1[0] == torch.bfloat16
+    assert w1 == (torch.bfloat16, [(1 + 2) + (2 + 2)] * 3)
+    assert b1 == (torch.bfloat16, [(1 + 3) + (2 + 3)])
+
+
+def _fp64_rank(rank, group):
+    p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    p.grad = torch.tensor([1.0 + 2.0**-40 if rank == 0 else 1.0], dtype=torch.float64)
+    allreduce_grads([p], group)
+    return p.grad.item()
+
+
+def test_fp64_gradients_travel_in_fp64():
+    assert run_threads(_fp64_rank, 2) == [2.0 + 2.0**-40] * 2  # fp32 would round the 2**-40 away
 
 
 def test_only_owned_parameters_contribute_and_receive():
@@ -33,3 +45,4 @@ def test_only_owned_parameters_contribute_and_receive():
     assert res[0][0] == res[1][0] == (torch.float32, [3.0] * 6)  # owned by both
     assert res[0][1] == (torch.float32, [2.0] * 3) and res[1][1] is None  # rank 1 does not own it
     assert res[0][2] is None and res[1][2] == (torch.bfloat16, [4.0] * 3)  # rank 0 added zeros
+    assert res[0][3] is None and res[1][3] == (torch.bfloat16, [5.0])

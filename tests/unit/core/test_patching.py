@@ -43,6 +43,21 @@ def test_nested_and_concurrent_holders_share_one_install_and_restore_inherited_a
     assert vars(Child)["make"] is own_make and Child.make() == "own"
 
 
+def test_nested_holders_in_one_thread_and_a_smaller_second_install():
+    targets = [(Base, "hello", lambda self: "patched"), (Child, "make", classmethod(lambda c: 1))]
+    patch = SharedPatch(lambda: list(targets))
+    with patch.held():
+        with patch.held():
+            assert Base().hello() == "patched"
+        assert Base().hello() == "patched" and patch.installed  # the outer holder still holds it
+    assert Base().hello() == "base" and Child.make() == "own"
+    targets.pop()  # the next install replaces less: its release must not write back Child.make
+    with patch.held():
+        Child.make = classmethod(lambda c: "changed meanwhile")
+    assert Base().hello() == "base" and Child.make() == "changed meanwhile"
+    Child.make = classmethod(lambda c: "own")
+
+
 def test_an_exception_inside_still_restores():
     patch = SharedPatch(lambda: [(Base, "hello", lambda self: "patched")])
     try:
