@@ -63,11 +63,15 @@ def main() -> None:
     ap.add_argument("--master", default=None, help="HOST:PORT of node 0, or file:PATH (with --nnodes > 1)")
     ap.add_argument("--host", default="127.0.0.1", help="this host's address for gloo (default 127.0.0.1)")
     ap.add_argument("--kill-host", default="none", help="RANK:STEP: that rank kills its host agent")
+    ap.add_argument(
+        "--node-timeout", type=float, default=5.0, help="silent seconds that lose a host (default 5)"
+    )
     args = ap.parse_args()
     kill = None if args.kill == "none" else tuple(int(v) for v in args.kill.split(":"))
     kill_host = None if args.kill_host == "none" else tuple(int(v) for v in args.kill_host.split(":"))
     ref = launch(train, 1, args.steps, None)["results"][0]
-    nodes = {"nnodes": args.nnodes, "node_rank": args.node_rank, "master": args.master, "host": args.host}
+    nodes = {"nnodes": args.nnodes, "node_rank": args.node_rank, "master": args.master, "host": args.host,
+             "node_timeout_s": args.node_timeout}  # fmt: skip
     res = launch(train, args.ranks, args.steps, kill, kill_host, **nodes)
     first = min(res["results"])  # this host's first finished rank
     for rank, code in res["lost"].items():

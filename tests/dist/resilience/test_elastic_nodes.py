@@ -19,7 +19,7 @@ def _two_hosts(tmp_path, *flags):
     master = f"file:{tmp_path / 'rdzv'}"
     cmds = [
         [sys.executable, str(EXAMPLE), "--nnodes", "2", "--node-rank", str(k), "--master", master,
-         "--ranks", "2", "--steps", "8", *flags]
+         "--ranks", "2", "--steps", "6", "--node-timeout", "2", *flags]
         for k in (0, 1)
     ]  # fmt: skip
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
@@ -37,19 +37,19 @@ def test_a_rank_lost_on_one_host_is_survived_by_both_hosts(tmp_path):
     for out in (out0, out1):
         assert "rank 3 lost (SIGKILL)" in out, out
         assert "failed in step 2, resumed at step 2 with ranks [0, 1, 2]" in out, out
-        assert "survivors [0, 1, 2]: 8 of 8 steps" in out, out
+        assert "survivors [0, 1, 2]: 6 of 6 steps" in out, out
         assert _diff(out) <= 1e-5, out
 
 
 def test_a_lost_host_is_survived_by_the_other(tmp_path):
-    # Rank 2 kills its host agent in step 5: the agent's ranks die with it (PR_SET_PDEATHSIG), node 0
+    # Rank 2 kills its host agent in step 4: the agent's ranks die with it (PR_SET_PDEATHSIG), node 0
     # sees its beat stop and lists ranks 0 and 1.
-    (rc0, out0, err0), (rc1, _, _) = _two_hosts(tmp_path, "--kill", "none", "--kill-host", "2:5")
+    (rc0, out0, err0), (rc1, _, _) = _two_hosts(tmp_path, "--kill", "none", "--kill-host", "2:4")
     assert rc1 == -9
     assert rc0 == 0, err0[-2000:]
     assert "rank 2 lost (its host was lost)" in out0 and "rank 3 lost (its host was lost)" in out0, out0
-    assert "failed in step 5, resumed at step 5 with ranks [0, 1]" in out0, out0
-    assert "survivors [0, 1]: 8 of 8 steps" in out0 and _diff(out0) <= 1e-5, out0
+    assert "failed in step 4, resumed at step 4 with ranks [0, 1]" in out0, out0
+    assert "survivors [0, 1]: 6 of 6 steps" in out0 and _diff(out0) <= 1e-5, out0
 
 
 def test_a_bad_master_says_what_to_pass():
