@@ -56,3 +56,18 @@ def test_run_refuses_a_rank_count_mismatch_and_missing_partition(tmp_path, capsy
         == 2
     )
     assert "--ranks 3" in capsys.readouterr().err
+
+
+def test_run_tiny_decoder_with_a_vocab_sharded_head_checks_gradients(tmp_path):
+    # The tuner's head split, for real: the head's cross-entropy in 2 chained vocabulary shards on
+    # different ranks (online softmax), gradients equal to the same layers in one process.
+    from dataclasses import replace
+
+    sched = anchors.one_f_one_b(2, 4)
+    sched = replace(sched, partition=(3, 2), meta={**sched.meta, "head_split": 2}).validate()
+    path = sched.save(tmp_path / "split.json")
+    out = tmp_path / "run.json"
+    args = ["pipeline", "run", "--schedule", str(path), "--model", "tiny-decoder", "--ranks", "2"]
+    assert main([*args, "--repeats", "1", "--check", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["grad_max_rel_diff"] <= 1e-6

@@ -29,6 +29,7 @@ from steptune.pipeline.executor import ExecutorConfig, PipelineExecutor
 from steptune.pipeline.schedule import Schedule
 from steptune.pipeline.simulate import simulate
 from steptune.pipeline.stages import boundary_shape, lm_loss, sleep_layers, split_layers, tiny_decoder_layers
+from steptune.pipeline.vocab_head import carry_layers, pack_targets, shard_head, sharded_lm_loss
 
 __all__ = ["ModelBundle", "build_bundle", "rank_main", "simulated_step"]
 
@@ -84,15 +85,23 @@ def build_bundle(model: str, schedule: Schedule, *, seed: int = 0) -> ModelBundl
             layers=list(sleep_layers(costs, hidden=HIDDEN)), inputs=xs, targets=ys, loss_fn=_mse, costs=costs
         )
     if model == "tiny-decoder":
-        if n_units < 3:
-            raise ValueError("tiny-decoder needs at least 3 units (embedding, a block, head)")
+        shards = int(schedule.meta.get("head_split", 1))  # the tuner's vocabulary shards of the head
+        if n_units < 2 + shards:
+            raise ValueError(
+                f"tiny-decoder needs at least {2 + shards} units (embedding, a block, {shards} head unit(s))"
+            )
         vocab, seq = 64, 8
         layers = tiny_decoder_layers(
-            vocab=vocab, hidden=16, num_layers=n_units - 2, num_heads=2, seq_len=seq, seed=seed
+            vocab=vocab, hidden=16, num_layers=n_units - 1 - shards, num_heads=2, seq_len=seq, seed=seed
         )
         xs = [torch.randint(0, vocab, (2, seq), generator=g) for _ in range(m)]
         ys = [torch.randint(0, vocab, (2, seq), generator=g) for _ in range(m)]
-        return ModelBundle(layers=list(layers), inputs=xs, targets=ys, loss_fn=lm_loss, costs=None)
+        if shards == 1:
+            return ModelBundle(layers=list(layers), inputs=xs, targets=ys, loss_fn=lm_loss, costs=None)
+        head = layers[-1]
+        sharded = [*carry_layers(layers[0], layers[1:-1]), *shard_head(head.norm, head.out.weight, shards)]
+        packed = [pack_targets(x, y) for x, y in zip(xs, ys, strict=True)]
+        return ModelBundle(layers=sharded, inputs=packed, targets=ys, loss_fn=sharded_lm_loss, costs=None)
     raise ValueError(f"unknown model {model!r}; use sleep:PRESET (e.g. sleep:gemma-2b) or tiny-decoder")
 
 

@@ -1,0 +1,40 @@
+"""The vocabulary-sharded head: its chained online softmax gives the unsplit head's loss and gradients."""
+
+import copy
+
+import pytest
+import torch
+
+from steptune.pipeline.stages import lm_loss, tiny_decoder_layers
+from steptune.pipeline.vocab_head import carry_layers, pack_targets, shard_head, sharded_lm_loss
+
+
+def _run(layers, x, loss_fn, y):
+    for layer in layers:
+        x = layer(x)
+    loss = loss_fn(x, y)
+    loss.backward()
+    return loss.item()
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 7])
+def test_sharded_head_matches_the_whole_head(shards):
+    layers = tiny_decoder_layers(vocab=64, hidden=16, num_layers=2, num_heads=2, seq_len=8, seed=0)
+    ref = copy.deepcopy(layers)
+    head = layers[-1]
+    split = [*carry_layers(layers[0], layers[1:-1]), *shard_head(head.norm, head.out.weight, shards)]
+    g = torch.Generator().manual_seed(1)
+    ids, tgt = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
+    want = _run(ref, ids, lm_loss, tgt)
+    got = _run(split, pack_targets(ids, tgt), sharded_lm_loss, tgt)
+    assert abs(got - want) <= 1e-6 * abs(want)
+    grad_w = torch.cat([s.weight.grad for s in split[-shards:]])
+    torch.testing.assert_close(grad_w, ref[-1].out.weight.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(head.norm.weight.grad, ref[-1].norm.weight.grad, rtol=1e-5, atol=1e-7)
+    for p, q in zip(layers[0].parameters(), ref[0].parameters(), strict=True):  # through every block
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_shard_count_beyond_the_vocabulary_is_refused():
+    with pytest.raises(ValueError, match=r"num_shards must be in 1\.\.4"):
+        shard_head(torch.nn.Identity(), torch.zeros(4, 3), 5)
