@@ -73,6 +73,9 @@ def main() -> None:
     nodes = {"nnodes": args.nnodes, "node_rank": args.node_rank, "master": args.master, "host": args.host,
              "node_timeout_s": args.node_timeout}  # fmt: skip
     res = launch(train, args.ranks, args.steps, kill, kill_host, **nodes)
+    if not res["results"]:
+        print(f"no rank of this host survived; survivors {res['survivors']}")
+        return
     first = min(res["results"])  # this host's first finished rank
     for rank, code in res["lost"].items():
         why = {-9: "SIGKILL", None: "its host was lost"}.get(code, f"exit code {code}")

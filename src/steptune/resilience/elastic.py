@@ -50,6 +50,7 @@ import ctypes
 import datetime
 import gc
 import math
+import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -89,6 +90,7 @@ class Elastic:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._snapshots: Snapshots | None = None
         self._failed = False
+        self._synced = False  # ctx.sync ran in this attempt
         self._group: Any = None
         if not _all_started(store, orig, self.members):  # a peer died at start-up: rejoin right away
             self._failed = True
@@ -99,7 +101,6 @@ class Elastic:
             )
         except RuntimeError:  # a peer died before the first group formed: the first attempt rejoins
             self._failed = True
-        self._synced = False  # ctx.sync ran in this attempt
 
     @property
     def rank(self) -> int:
@@ -227,12 +228,13 @@ def _all_started(store: Any, orig: int, members: list[int], wait_s: float = 120.
         if store.check(["members/1"]) or time.monotonic() > deadline:
             return False
         time.sleep(0.01)
-    return True
+    return not store.check(["members/1"])  # a rank that died after starting: the others rejoin too
 
 
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when the one that spawned it dies (prctl PR_SET_PDEATHSIG)."""
-    parent = os.getppid()
+    spawner = mp.parent_process()
+    parent = spawner.pid if spawner is not None else os.getppid()  # the spawner's pid, known at spawn
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -43,29 +43,64 @@ _BEAT_S = 0.25
 _STARTUP_S = 60.0  # how long a node may take to send its first beat
 
 
-def _rendezvous(master: str, node_rank: int, host: str) -> tuple[Any, str, int]:
-    """The store (node 0 creates it) and its address."""
+def _rendezvous(master: str, node_rank: int, host: str | None) -> tuple[Any, str, int, Path | None]:
+    """The store (node 0 creates it), its address and, for ``file:``, the file node 0 wrote."""
     timeout = datetime.timedelta(seconds=60)
-    if master.startswith("file:"):
-        path = Path(master[len("file:") :])
-        if node_rank == 0:
-            store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            tmp.write_text(f"{host}:{store.port}")
-            tmp.replace(path)  # atomic: a reader never sees half an address
-            return store, host, int(store.port)
-        deadline = time.monotonic() + 60.0
-        while not path.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"node {node_rank}: node 0 wrote no address to {path} within 60 s")
-            time.sleep(0.05)
-        master = path.read_text().strip()
+    path = Path(master[len("file:") :]) if master.startswith("file:") else None
+    if path is not None and node_rank == 0:
+        addr = host or _default_host(None)
+        store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(f"{addr}:{store.port}")
+        tmp.replace(path)  # atomic: a reader never sees half an address
+        return store, addr, int(store.port), path
+    if path is None:
+        addr, port = _parse(master)
+        is_master = node_rank == 0
+        store = dist.TCPStore(addr, port, is_master=is_master, wait_for_workers=False, timeout=timeout)
+        return store, addr, port, None
+    # A file left by an earlier job may name a dead store: retry, reading it again, until node 0 rewrites it.
+    deadline = time.monotonic() + 60.0
+    err: Exception | None = None
+    while time.monotonic() < deadline:
+        if path.exists():
+            addr, port = _parse(path.read_text().strip())
+            try:
+                short = datetime.timedelta(seconds=2)
+                store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=short)
+                store.set_timeout(timeout)
+                return store, addr, port, path
+            except RuntimeError as exc:  # DistNetworkError: nothing listens there (yet)
+                err = exc
+        time.sleep(0.2)
+    raise TimeoutError(f"node {node_rank}: no store at the address in {path} within 60 s ({err})")
+
+
+def _parse(master: str) -> tuple[str, int]:
     addr, _, port_text = master.rpartition(":")
     if not addr or not port_text.isdigit():
         raise ValueError(f"master must be HOST:PORT or file:PATH, got {master!r}")
-    is_master = node_rank == 0
-    store = dist.TCPStore(addr, int(port_text), is_master=is_master, wait_for_workers=False, timeout=timeout)
-    return store, addr, int(store.port)
+    return addr, int(port_text)
+
+
+def _default_host(toward: str | None) -> str:
+    """This host's address as the network sees it: the source address of a route to ``toward`` (node 0),
+    else what the hostname resolves to. A loopback answer is refused: pass ``host``."""
+    if toward is not None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                sock.connect((toward, 9))  # UDP: picks a route, sends nothing
+                addr = str(sock.getsockname()[0])
+            except OSError:
+                addr = socket.gethostbyname(socket.gethostname())
+    else:
+        addr = socket.gethostbyname(socket.gethostname())
+    if addr.startswith("127.") and not (toward or "").startswith("127."):
+        raise ValueError(
+            f"this host's name resolves to {addr} (loopback), which other hosts cannot reach: pass host="
+            "this host's address on the network the hosts share"
+        )
+    return addr
 
 
 class _Watch:
@@ -96,6 +131,8 @@ class _Watch:
                 continue
             limit = self.node_timeout_s if seen is not None else _STARTUP_S
             if now - since > limit:  # a lost host: its agent and (through PDEATHSIG) its ranks are gone
+                # Fenced, in case it is only starved or cut off: its agent kills its ranks on seeing this.
+                store.set(f"node/{k}/lost", "1")
                 for r in range(k * self.nprocs, (k + 1) * self.nprocs):
                     if r in coord.alive and r not in coord.finished and r not in dead:
                         dead[r] = None
@@ -108,6 +145,17 @@ class _Watch:
         except RuntimeError as err:  # the coordinator's verdict: a rank raised, or no progress is possible
             return str(err)
         return None
+
+    def live_nodes(self) -> list[int]:
+        """Nodes other than 0 not taken for lost."""
+        return [k for k, (_, since) in self.beats.items() if k != 0 and since != math.inf]
+
+
+def _wait_acks(store: Any, nodes: list[int], wait_s: float = 10.0) -> None:
+    acks = [f"node/{k}/ack" for k in nodes]
+    wait_until = time.monotonic() + wait_s
+    while acks and time.monotonic() < wait_until and not store.check(acks):
+        time.sleep(0.05)
 
 
 def launch_nodes(
@@ -123,12 +171,12 @@ def launch_nodes(
 
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"node_rank must be in 0..{nnodes - 1}, got {node_rank}")
-    host = host or socket.gethostname()
-    store, store_host, port = _rendezvous(master, node_rank, host)
+    store, store_host, port, rdzv_file = _rendezvous(master, node_rank, host)
+    host = host or (store_host if node_rank == 0 else _default_host(store_host))
     world = nnodes * nprocs
     mine = list(range(node_rank * nprocs, (node_rank + 1) * nprocs))
     spec = {"ranks": world, "mode": "survive", "fn": fn, "args": args, "group_timeout_s": group_timeout_s,
-            "threads": threads, "store_host": store_host, "host": host}  # fmt: skip
+            "threads": threads, "store_host": store_host, "host": host, "agent_pid": os.getpid()}  # fmt: skip
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = {
@@ -148,6 +196,9 @@ def launch_nodes(
                 beat += 1
                 store.set(f"node/{node_rank}/beat", str(beat))
                 next_beat = time.monotonic() + _BEAT_S
+            # Exits seen before the queue is read: a rank that put its result and exited in between is
+            # then read from the queue first (its result was in the pipe before it exited).
+            exited = [r for r, p in procs.items() if r not in reported and not p.is_alive()]
             try:
                 rank, _, info = out.get(timeout=0.05)
                 if "error" in info:
@@ -159,19 +210,29 @@ def launch_nodes(
                 continue
             except queue.Empty:
                 pass
-            for r, p in procs.items():  # after the queue is drained: a finished rank's result came first
-                if r not in reported and not p.is_alive():
-                    store.set(f"exit/{r}", str(p.exitcode))
-                    reported.add(r)
+            for r in exited:
+                store.set(f"exit/{r}", str(procs[r].exitcode))
+                reported.add(r)
             if store.check(["job/stop"]):
-                raise RuntimeError(store.get("job/stop").decode())
+                stop = json.loads(store.get("job/stop").decode())
+                store.set(f"node/{node_rank}/ack", "1")
+                raise (TimeoutError if stop["kind"] == "timeout" else RuntimeError)(stop["message"])
+            if store.check([f"node/{node_rank}/lost"]):
+                raise RuntimeError(
+                    f"node {node_rank} was taken for lost (no beat reached node 0 for {node_timeout_s} s) "
+                    "and its ranks were stopped; the others went on without them"
+                )
             if watch is not None:
                 stop = watch.poll()
+                kind = "error"
                 if stop is None and time.monotonic() > deadline:
-                    stop = f"the elastic job did not finish in {timeout_s} s"
+                    stop, kind = f"the elastic job did not finish in {timeout_s} s", "timeout"
+                if stop is None and watch.coord.done and not watch.coord.alive:
+                    stop = f"every rank was lost ({watch.coord.lost}): nothing survived"
                 if stop is not None:
-                    store.set("job/stop", stop)
-                    raise TimeoutError(stop) if stop.endswith(" s") else RuntimeError(stop)
+                    store.set("job/stop", json.dumps({"kind": kind, "message": stop}))
+                    _wait_acks(store, watch.live_nodes())
+                    raise (TimeoutError if kind == "timeout" else RuntimeError)(stop)
                 if watch.coord.done:
                     end = {"survivors": sorted(watch.coord.alive), "lost": watch.coord.lost}
                     store.set("job/end", json.dumps(end))
@@ -179,14 +240,13 @@ def launch_nodes(
         for p in procs.values():
             if p.is_alive():
                 p.kill()
+        if rdzv_file is not None and node_rank == 0:
+            rdzv_file.unlink(missing_ok=True)  # a later job must not find this store's address
     end = json.loads(store.get("job/end").decode())
     if watch is None:
         store.set(f"node/{node_rank}/ack", "1")
     else:  # the store dies with this process: let every live agent read the end first
-        acks = [f"node/{k}/ack" for k in sorted({r // nprocs for r in end["survivors"]} - {0})]
-        wait_until = time.monotonic() + 10.0
-        while acks and time.monotonic() < wait_until and not store.check(acks):
-            time.sleep(0.05)
+        _wait_acks(store, watch.live_nodes())
     return {
         "results": {r: info["result"] for r, info in sorted(infos.items())},
         "survivors": end["survivors"],

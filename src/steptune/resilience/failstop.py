@@ -267,6 +267,9 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
     restarts = 0
     try:
         while len(finished) < len(alive) and time.time() < deadline:
+            # Exits seen before the queue is read: a rank that put its result and exited in between is
+            # read from the queue first (its result was in the pipe before it exited).
+            exited = [r for r in alive if not procs[r].is_alive() and r not in finished]
             try:
                 rank, losses, info = out.get(timeout=0.05)
                 if "error" in info:  # the worker's own code raised: not a death for the others to survive
@@ -276,7 +279,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
                 continue
             except queue.Empty:
                 pass
-            dead = [r for r in alive if not procs[r].is_alive() and r not in finished]
+            dead = [r for r in exited if r not in finished]
             if not dead:
                 coord.tick()
                 continue

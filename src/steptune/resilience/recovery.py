@@ -221,6 +221,10 @@ class Recovery:
         return True
 
 
+class NotListed(Exception):
+    """The launcher's member list leaves this rank out (it was taken for lost): it must stop."""
+
+
 class _Superseded(Exception):
     """The launcher listed the survivors again (another member died) before this generation formed."""
 
@@ -256,6 +260,11 @@ def _listed(store: Any, orig: int, gen: int, step: int, timeout: datetime.timede
                 f"rank {orig}: the launcher listed no survivors for generation {gen} within 60 s"
             ) from err
         members: list[int] = json.loads(store.get(f"members/{gen}").decode())
+        if orig not in members:
+            raise NotListed(
+                f"rank {orig} is not among the survivors listed for generation {gen} ({members}): the "
+                "launcher took it (or its host) for lost"
+            )
         # Every listed member announces itself before anyone builds the group: one that died since the
         # list was written never does, and the launcher's next list supersedes this one within its poll.
         # Whether this generation forms or is superseded is one decision, the first rank's, kept in the
@@ -283,7 +292,7 @@ def _listed(store: Any, orig: int, gen: int, step: int, timeout: datetime.timede
                     f"{wait_s:.0f} s, and the launcher reported no further death"
                 )
             time.sleep(0.005)
-    except (TimeoutError, _Superseded):
+    except (TimeoutError, _Superseded, NotListed):
         raise
     except RuntimeError as err:  # the store itself: the launcher is gone
         raise ConnectionError(f"rank {orig}: lost the launcher's store while rejoining: {err}") from err
