@@ -125,6 +125,8 @@ class _Watch:
                 dead[r] = int(store.get(f"exit/{r}").decode())
         now = time.monotonic()
         for k, (seen, since) in self.beats.items():
+            if k == 0:  # this process: its own ranks are watched directly
+                continue
             beat = store.get(f"node/{k}/beat") if store.check([f"node/{k}/beat"]) else None
             if beat != seen:
                 self.beats[k] = (beat, now)
