@@ -308,8 +308,12 @@ class _HFHead(nn.Module):
         return logits_BSV
 
 
-def hf_decoder_layers(model: nn.Module) -> list[nn.Module]:
+def hf_decoder_layers(model: nn.Module, *, head_shards: int = 1) -> list[nn.Module]:
     """Units ``[embed, decoder layer x N, norm + lm_head]`` around a Llama-style transformers causal LM.
+
+    With ``head_shards`` k > 1 the head is k vocabulary shards (``vocab_head``; the tuner's head split):
+    the units then take ``vocab_head.pack_targets(ids, targets)`` and end in ``sharded_lm_loss``, and the
+    shards hold copies of the head's rows (``torch.cat([u.weight for u in shards])`` is the head again).
 
     The units reuse the model's modules, so gradients land in the model's own parameters. Supported:
     models whose base forward is ``embed_tokens -> layers (with rotary_emb) -> norm`` (checked: Llama and
@@ -340,8 +344,12 @@ def hf_decoder_layers(model: nn.Module) -> list[nn.Module]:
             "tie_word_embeddings=False"
         )
     num_layers = getattr(config, "num_hidden_layers", len(base.layers))
-    return [
-        _HFEmbed(base.embed_tokens),
-        *(_HFDecoderLayer(layer, base.rotary_emb) for layer in base.layers[:num_layers]),
-        _HFHead(base.norm, lm_head),
-    ]
+    blocks = [_HFDecoderLayer(layer, base.rotary_emb) for layer in base.layers[:num_layers]]
+    if head_shards > 1:
+        from steptune.pipeline.vocab_head import carry_layers, shard_head
+
+        if getattr(lm_head, "bias", None) is not None:
+            raise ValueError("the vocabulary-sharded head supports an lm_head without bias (Llama-style)")
+        trunk = carry_layers(_HFEmbed(base.embed_tokens), blocks)
+        return [*trunk, *shard_head(base.norm, lm_head.weight, head_shards)]
+    return [_HFEmbed(base.embed_tokens), *blocks, _HFHead(base.norm, lm_head)]

@@ -215,6 +215,39 @@ def test_hf_decoder_pipeline_exact(kind):
     assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, ref, strict=True)) <= 1e-6
 
 
+def test_hf_llama_with_a_vocab_sharded_head_matches_the_whole_model():
+    # The tuner's head split on a real HF model: the head as 2 vocabulary shards on different ranks.
+    transformers = pytest.importorskip("transformers")
+    from steptune.pipeline.stages import hf_decoder_layers
+    from steptune.pipeline.vocab_head import pack_targets, sharded_lm_loss
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+    def build():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+    m = 2
+    xs, ys = decoder_data(m, seed=3)
+    ref_model = build()
+    for x, y in zip(xs, ys, strict=True):
+        (lm_loss(ref_model(input_ids=x).logits, y) / m).backward()
+    model = build()
+    units = hf_decoder_layers(model, head_shards=2)  # embed, 2 decoder layers, 2 head shards
+    packed = [pack_targets(x, y) for x, y in zip(xs, ys, strict=True)]
+    run_pipeline(with_partition(anchors.one_f_one_b(2, m), (3, 2)), units, packed, ys, sharded_lm_loss)
+    head_grad = torch.cat([u.weight.grad for u in units[-2:]])
+    torch.testing.assert_close(head_grad, ref_model.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        if not name.startswith("lm_head"):  # the shards hold the head's rows (checked above)
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_200_random_valid_schedules_run_without_deadlock():
     rng = random.Random(2026)
     by_world: dict[int, list] = {2: [], 3: [], 4: []}
