@@ -43,9 +43,13 @@ class SharedPatch:
         with self._lock:
             if self._users == 0:
                 self._installed = []
-                for owner, name, replacement in self._targets():
-                    self._saved[(id(owner), name)] = (owner, vars(owner).get(name, MISSING))
-                    self._installed.append((id(owner), name))
+                targets = self._targets()
+                keys = [(id(owner), name) for owner, name, _ in targets]
+                if len(set(keys)) < len(keys):
+                    raise ValueError(f"SharedPatch targets one attribute twice: {[t[:2] for t in targets]}")
+                for (owner, name, replacement), key in zip(targets, keys, strict=True):
+                    self._saved[key] = (owner, vars(owner).get(name, MISSING))
+                    self._installed.append(key)
                     setattr(owner, name, replacement)
             self._users += 1
         try:

@@ -66,3 +66,15 @@ def test_an_exception_inside_still_restores():
     except ValueError:
         pass
     assert Base().hello() == "base" and not patch.installed
+
+
+def test_a_target_named_twice_is_refused_and_nothing_stays_patched():
+    patch = SharedPatch(lambda: [(Base, "hello", lambda self: 1), (Base, "hello", lambda self: 2)])
+    try:
+        with patch.held():
+            pass
+    except ValueError as err:
+        assert "twice" in str(err)
+    else:
+        raise AssertionError("a doubled target was accepted")
+    assert Base().hello() == "base"
