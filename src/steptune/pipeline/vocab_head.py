@@ -106,11 +106,14 @@ def shard_head(norm: nn.Module, weight_VH: Tensor, num_shards: int) -> list[Voca
 
 
 def sharded_lm_loss(out_BSC: Tensor, targets_BS: Tensor | None = None) -> Tensor:
-    """Mean cross-entropy from the last shard's output. The targets ride in it; ``targets_BS`` only fills
+    """Mean cross-entropy from the last shard's output over the positions whose target is not negative
+    (``ignore_index=-100`` of ``F.cross_entropy``). The targets ride in it; ``targets_BS`` only fills
     the ``loss_fn(output, target)`` signature of the executors (torch's runtime calls it on placeholder
     tensors while it infers shapes, so it is not compared)."""
-    m, s, t = out_BSC[..., -4], out_BSC[..., -3], out_BSC[..., -2]
-    return (m.float() + torch.log(s.float()) - t.float()).mean()
+    m, s, t, tgt = out_BSC[..., -4], out_BSC[..., -3], out_BSC[..., -2], out_BSC[..., -1]
+    per_token = m.float() + torch.log(s.float()) - t.float()
+    valid = tgt >= 0  # a negative target (transformers' -100) is ignored, as cross_entropy ignores it
+    return (per_token * valid).sum() / valid.sum().clamp(min=1)
 
 
 def carry_layers(embed: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
