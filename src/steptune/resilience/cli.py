@@ -576,6 +576,9 @@ def register(sub: Any) -> None:
         help="with --compare: a PNG of each run's step time, measured and as the simulator predicts it",
     )
     run.set_defaults(func=_run)
+    from steptune.resilience.elastic_cli import register as register_elastic
+
+    register_elastic(verbs)
     fs = verbs.add_parser(
         "failstop",
         help="MEASURED: SIGKILL one rank (DP, DP x PP or DP x TP); survivors continue in place vs "

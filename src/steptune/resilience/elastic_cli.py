@@ -1,0 +1,96 @@
+"""``steptune resilience elastic``: run your own ``fn(ctx, *args)`` loop under ``elastic.launch``, like
+torchrun runs a script, with fail-stop survival instead of restart-everything."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from steptune.core.argtypes import output_file, positive_float, positive_int
+
+__all__ = ["register"]
+
+
+def resolve(target: str) -> Any:
+    """``module:function`` or ``path/to/file.py:function``, importable again by the spawned ranks."""
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name:
+        raise ValueError(f"target must be module:function or file.py:function, got {target!r}")
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise ValueError(f"no such file: {where}")
+        folder = str(path.parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        # Spawned ranks import the function by its module's name: let them find the file's folder too.
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
+        where = path.stem
+    try:
+        module = importlib.import_module(where)
+    except ImportError as err:
+        raise ValueError(f"cannot import {where!r}: {err}") from err
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{where} has no function {name!r}")
+    return fn
+
+
+def _run(args: argparse.Namespace) -> int:
+    from steptune.resilience.elastic import launch
+
+    fn = resolve(args.target)
+    fn_args = [a for a in args.args if a != "--"]
+    try:
+        res = launch(
+            fn, args.nproc_per_node, *fn_args, timeout_s=args.timeout, group_timeout_s=args.group_timeout,
+            threads=args.threads, nnodes=args.nnodes, node_rank=args.node_rank, master=args.master,
+            host=args.host, node_timeout_s=args.node_timeout,
+        )  # fmt: skip
+    except (RuntimeError, TimeoutError) as err:  # the job stopped: a rank's own error, or out of time
+        print(f"steptune resilience elastic: {err}", file=sys.stderr)
+        return 1
+    for rank, code in sorted(res["lost"].items()):
+        why = {-9: "SIGKILL", None: "its host was lost"}.get(code, f"exit code {code}")
+        print(f"rank {rank} lost ({why})")
+    for rank, recs in sorted(res["recoveries"].items()):
+        for rec in recs:
+            print(f"rank {rank}: generation {rec['generation']}, failed in step {rec['failed_at_step']}, "
+                  f"resumed at step {rec['resume_step']} with ranks {rec['members']}")  # fmt: skip
+    print(f"survivors {res['survivors']}; {res['wall_s']:.1f} s")
+    if args.json:
+        out = {**res, "results": {str(r): v for r, v in res["results"].items()}}
+        args.json.write_text(json.dumps(out, indent=1, default=repr))
+        print(f"wrote: {args.json}")
+    return 0
+
+
+def register(verbs: Any) -> None:
+    e = verbs.add_parser(
+        "elastic",
+        help="run your own fn(ctx, *args) training loop with fail-stop survival (torchrun-like)",
+        description="Spawns --nproc-per-node ranks running TARGET(ctx, *ARGS) (ARGS as strings), where ctx "
+        "is a steptune.resilience.elastic.Elastic: when a rank (or, with --nnodes > 1, a host) dies, the "
+        "others rejoin and redo the step instead of restarting. Run it on every host with its --node-rank. "
+        "Options come before TARGET; everything after it goes to the function.",
+    )
+    e.add_argument("target", help="module:function or path/to/file.py:function (a module-level function)")
+    e.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the function, as strings")
+    e.add_argument("--nproc-per-node", type=positive_int, default=1, help="ranks on this host")
+    e.add_argument("--nnodes", type=positive_int, default=1, help="hosts in the job")
+    e.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
+    e.add_argument("--master", default=None, help="HOST:PORT of node 0, or file:PATH on a shared filesystem")
+    e.add_argument("--host", default=None, help="this host's address for gloo (default: the route to node 0)")
+    e.add_argument("--group-timeout", type=positive_float, default=20.0, help="seconds a collective waits")
+    e.add_argument("--node-timeout", type=positive_float, default=5.0, help="silent seconds that lose a host")
+    e.add_argument(
+        "--timeout", type=positive_float, default=None, help="seconds for the whole job (default: no limit)"
+    )
+    e.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    e.add_argument("--json", type=output_file, default=None, help="also write results and recoveries here")
+    e.set_defaults(func=_run)

@@ -1,0 +1,59 @@
+"""``steptune resilience elastic``: a user's own loop from a file, one rank SIGKILLed, the rest go on."""
+
+import json
+
+import pytest
+
+from steptune.cli import main
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+
+TRAIN = """
+import os, signal
+import torch
+
+def train(ctx, steps, kill="none"):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx.track(model, opt)
+    losses = {}
+    while ctx.step < int(steps):
+        with ctx.attempt():
+            g = torch.Generator().manual_seed(ctx.step)
+            x = torch.randn(12, 8, generator=g)
+            mine = list(ctx.shard(len(x)))
+            loss = ((model(x[mine]) - x[mine].sum(1, keepdim=True)) ** 2).sum() / len(x)
+            loss.backward()
+            if kill == f"{ctx.orig}:{ctx.step}":
+                os.kill(os.getpid(), signal.SIGKILL)
+            losses[ctx.step] = ctx.sync(model, loss)
+            opt.step()
+            opt.zero_grad()
+    return losses
+"""
+
+
+def test_a_loop_from_a_file_survives_a_kill(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYTHONPATH", "")  # the verb adds the file's folder for the spawned ranks
+    script = tmp_path / "elastic_cli_loop.py"
+    script.write_text(TRAIN)
+    out = tmp_path / "res.json"
+    opts = ["--nproc-per-node", "3", "--json", str(out)]
+    args = ["resilience", "elastic", *opts, f"{script}:train", "5", "1:2"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "rank 1 lost (SIGKILL)" in text and "survivors [0, 2]" in text, text
+    res = json.loads(out.read_text())
+    assert res["survivors"] == [0, 2] and sorted(res["results"]) == ["0", "2"]
+    assert res["results"]["0"] == res["results"]["2"] and len(res["results"]["0"]) == 5
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [("nofunction", "module:function"), ("missing_file.py:train", "no such file"),
+     ("json:nothere", "has no function 'nothere'"), ("no_such_module_xyz:f", "cannot import")],
+)  # fmt: skip
+def test_a_bad_target_says_what_is_wrong(target, says, capsys):
+    assert main(["resilience", "elastic", target]) == 2
+    assert says in capsys.readouterr().err
