@@ -10,6 +10,8 @@ logit ``t`` (zero until the shard holding the target adds it). The last shard's 
 Contract. Stage boundaries are single tensors, so the targets travel with the activations: the model's
 input is ``(ids, targets)`` stacked as ``(B, S, 2)`` int64 (``pack_targets``), the embedding appends the
 targets as one float channel (exact below 2**24 ids) and every block carries it through untouched. The
+boundaries are fp32 whatever the model's dtype (a bf16 hidden state round-trips exactly; bf16 would
+round target ids above 256 and the running sums); each unit computes in its own parameters' dtype. The
 first shard applies the head's norm; the others receive its output. ``m`` is detached: the loss does not
 depend on it, so the gradient is exactly softmax minus one-hot, without a subgradient through the max.
 The boundary is ``H + 4`` channels (hidden, m, s, t, target); the backward of a shard passes the gradient
@@ -50,7 +52,7 @@ class TargetsEmbed(nn.Module):
 
     def forward(self, ids_targets_BS2: Tensor) -> Tensor:
         h_BSH: Tensor = self.embed(ids_targets_BS2[..., 0])
-        return torch.cat([h_BSH, ids_targets_BS2[..., 1:].to(h_BSH.dtype)], dim=-1)
+        return torch.cat([h_BSH.float(), ids_targets_BS2[..., 1:].float()], dim=-1)
 
 
 class CarryTargets(nn.Module):
@@ -61,7 +63,13 @@ class CarryTargets(nn.Module):
         self.block = block
 
     def forward(self, x_BSC: Tensor) -> Tensor:
-        return torch.cat([self.block(x_BSC[..., :-1]), x_BSC[..., -1:]], dim=-1)
+        y_BSH: Tensor = self.block(x_BSC[..., :-1].to(_dtype(self.block, x_BSC)))
+        return torch.cat([y_BSH.float(), x_BSC[..., -1:]], dim=-1)
+
+
+def _dtype(module: nn.Module, default: Tensor) -> torch.dtype:
+    """The dtype a module computes in (its first parameter's): the fp32 boundary goes back to it."""
+    return next((p.dtype for p in module.parameters()), default.dtype)
 
 
 class VocabShard(nn.Module):
@@ -75,11 +83,11 @@ class VocabShard(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.norm is not None:  # (B, S, H + 1): hidden and target
-            n_BSH, tgt_BS = self.norm(x[..., :-1]), x[..., -1]
+            n_BSH, tgt_BS = self.norm(x[..., :-1].to(_dtype(self.norm, x))), x[..., -1]
             m_BS = s_BS = t_BS = None
         else:  # (B, S, H + 4): normalised hidden, m, s, t, target
             n_BSH, m_BS, s_BS, t_BS, tgt_BS = x[..., :-4], x[..., -4], x[..., -3], x[..., -2], x[..., -1]
-        z_BSV = (n_BSH @ self.weight.t()).float()
+        z_BSV = (n_BSH.to(self.weight.dtype) @ self.weight.t()).float()
         z_max = z_BSV.detach().amax(dim=-1)
         m_new = z_max if m_BS is None else torch.maximum(m_BS.detach(), z_max)
         part = torch.exp(z_BSV - m_new[..., None]).sum(dim=-1)
@@ -89,8 +97,8 @@ class VocabShard(nn.Module):
         z_t = z_BSV.gather(-1, idx.clamp(0, self.weight.shape[0] - 1)[..., None])[..., 0]
         t_here = torch.where(mine, z_t, torch.zeros_like(z_t))
         t_new = t_here if t_BS is None else t_BS + t_here
-        stats = torch.stack([m_new, s_new, t_new, tgt_BS.to(z_t.dtype)], dim=-1).to(n_BSH.dtype)
-        return torch.cat([n_BSH, stats], dim=-1)
+        stats = torch.stack([m_new, s_new, t_new, tgt_BS.float()], dim=-1)
+        return torch.cat([n_BSH.float(), stats], dim=-1)  # fp32: bf16 would round target ids above 256
 
 
 def shard_head(norm: nn.Module, weight_VH: Tensor, num_shards: int) -> list[VocabShard]:

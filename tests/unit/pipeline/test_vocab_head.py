@@ -39,3 +39,21 @@ def test_sharded_head_matches_the_whole_head(shards):
 def test_a_shard_count_beyond_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match=r"num_shards must be in 1\.\.4"):
         shard_head(torch.nn.Identity(), torch.zeros(4, 3), 5)
+
+
+def test_a_bf16_model_keeps_exact_targets_and_fp32_statistics():
+    # bf16 boundaries would round target ids above 256 (1000 -> 1000 only by luck, 1001 -> 1000).
+    torch.manual_seed(0)
+    vocab, hidden = 2048, 8
+    norm = torch.nn.LayerNorm(hidden).to(torch.bfloat16)
+    weight = torch.randn(vocab, hidden, dtype=torch.bfloat16)
+    shards = shard_head(norm, weight, 4)
+    h = torch.randn(1, 3, hidden, dtype=torch.bfloat16)
+    tgt = torch.tensor([[1001, 1537, 2047]])
+    x = torch.cat([h.float(), tgt[..., None].float()], dim=-1)
+    for s in shards:
+        x = s(x)
+    assert x.dtype == torch.float32 and x[..., -1].long().tolist() == [[1001, 1537, 2047]]
+    logits = (norm(h) @ weight.t()).float()
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+    assert abs(sharded_lm_loss(x).item() - want.item()) <= 1e-5 * abs(want.item())
