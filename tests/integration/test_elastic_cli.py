@@ -1,6 +1,7 @@
 """``steptune resilience elastic``: a user's own loop from a file, one rank SIGKILLed, the rest go on."""
 
 import json
+import sys
 
 import pytest
 
@@ -34,10 +35,15 @@ def train(ctx, steps, kill="none"):
 """
 
 
-def test_a_loop_from_a_file_survives_a_kill(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PYTHONPATH", "")  # the verb adds the file's folder for the spawned ranks
+@pytest.fixture(autouse=True)
+def _own_sys_path(monkeypatch):  # the verb appends the target file's folder
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def test_a_loop_from_a_file_survives_a_kill(tmp_path, capsys):
     script = tmp_path / "elastic_cli_loop.py"
     script.write_text(TRAIN)
+    (tmp_path / "json.py").write_text("raise SystemExit('a neighbour named json.py was imported')\n")
     out = tmp_path / "res.json"
     opts = ["--nproc-per-node", "3", "--json", str(out)]
     args = ["resilience", "elastic", *opts, f"{script}:train", "5", "1:2"]
@@ -57,3 +63,19 @@ def test_a_loop_from_a_file_survives_a_kill(tmp_path, monkeypatch, capsys):
 def test_a_bad_target_says_what_is_wrong(target, says, capsys):
     assert main(["resilience", "elastic", target]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_file_shadowed_or_broken_and_misplaced_options_are_named(tmp_path, capsys):
+    (tmp_path / "json.py").write_text("def train(ctx):\n    return 1\n")
+    assert main(["resilience", "elastic", f"{tmp_path / 'json.py'}:train"]) == 2
+    assert "shadowed by the module 'json'" in capsys.readouterr().err
+    (tmp_path / "broken_loop.py").write_text("def train(ctx:\n")
+    assert main(["resilience", "elastic", f"{tmp_path / 'broken_loop.py'}:train"]) == 2
+    assert "SyntaxError" in capsys.readouterr().err
+    script = tmp_path / "quick_loop.py"
+    script.write_text("def train(ctx, *args):\n    return list(args)\n")
+    out = tmp_path / "r.json"
+    args = ["resilience", "elastic", "--json", str(out), f"{script}:train", "--nproc-per-node", "2"]
+    assert main(args) == 0
+    assert "come after the target" in capsys.readouterr().err
+    assert json.loads(out.read_text())["results"] == {"0": ["--nproc-per-node", "2"]}

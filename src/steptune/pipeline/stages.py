@@ -312,10 +312,12 @@ def hf_decoder_layers(model: nn.Module, *, head_shards: int = 1) -> list[nn.Modu
     """Units ``[embed, decoder layer x N, norm + lm_head]`` around a Llama-style transformers causal LM.
 
     With ``head_shards`` k > 1 the head is k vocabulary shards (``vocab_head``; the tuner's head split):
-    the units then take ``vocab_head.pack_targets(ids, targets)`` and end in ``sharded_lm_loss``, and the
-    shards hold copies of the head's rows (``torch.cat([u.weight for u in shards])`` is the head again).
+    the units then take ``vocab_head.pack_targets(ids, targets)`` and end in ``sharded_lm_loss``. The
+    shards hold *copies* of the head's rows: ``model.lm_head`` gets no gradient and is not trained; the
+    trained head is ``torch.cat([u.weight for u in shards])``.
 
-    The units reuse the model's modules, so gradients land in the model's own parameters. Supported:
+    Otherwise the units reuse the model's modules, so gradients land in the model's own parameters (with
+    shards: every parameter but ``lm_head``'s). Supported:
     models whose base forward is ``embed_tokens -> layers (with rotary_emb) -> norm`` (checked: Llama and
     Qwen3), built with ``attn_implementation="sdpa"``, full causal attention and untied embeddings.
     Duck-typed: nothing is imported from transformers.

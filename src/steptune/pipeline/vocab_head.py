@@ -104,6 +104,8 @@ class VocabShard(nn.Module):
 def shard_head(norm: nn.Module, weight_VH: Tensor, num_shards: int) -> list[VocabShard]:
     """``num_shards`` chained shards of a head ``logits = norm(h) @ weight.T`` (near-equal vocab slices)."""
     vocab = weight_VH.shape[0]
+    if vocab > 2**24:  # target ids ride in an fp32 channel: exact up to 2**24
+        raise ValueError(f"a vocabulary of {vocab} ids exceeds 2**24, the largest carried exactly in fp32")
     if not 1 <= num_shards <= vocab:
         raise ValueError(f"num_shards must be in 1..{vocab} (the vocabulary), got {num_shards}")
     bounds = [round(j * vocab / num_shards) for j in range(num_shards + 1)]
@@ -121,7 +123,7 @@ def sharded_lm_loss(out_BSC: Tensor, targets_BS: Tensor | None = None) -> Tensor
     m, s, t, tgt = out_BSC[..., -4], out_BSC[..., -3], out_BSC[..., -2], out_BSC[..., -1]
     per_token = m.float() + torch.log(s.float()) - t.float()
     valid = tgt >= 0  # a negative target (transformers' -100) is ignored, as cross_entropy ignores it
-    return (per_token * valid).sum() / valid.sum().clamp(min=1)
+    return torch.where(valid, per_token, torch.zeros_like(per_token)).sum() / valid.sum().clamp(min=1)
 
 
 def carry_layers(embed: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,26 +25,43 @@ def resolve(target: str) -> Any:
         if not path.is_file():
             raise ValueError(f"no such file: {where}")
         folder = str(path.parent)
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-        # Spawned ranks import the function by its module's name: let them find the file's folder too.
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
+        if folder not in sys.path:  # appended, so the file's neighbours cannot shadow installed modules;
+            sys.path.append(folder)  # spawned ranks get this sys.path and import the function by name
         where = path.stem
     try:
         module = importlib.import_module(where)
-    except ImportError as err:
-        raise ValueError(f"cannot import {where!r}: {err}") from err
+    except Exception as err:  # ImportError, or the file's own error (a SyntaxError, ...)
+        raise ValueError(f"cannot import {where!r}: {type(err).__name__}: {err}") from err
+    if path_of(module) is not None and target.rpartition(":")[0].endswith(".py"):
+        wanted = Path(target.rpartition(":")[0]).resolve()
+        if path_of(module) != wanted:
+            raise ValueError(
+                f"{wanted.name} is shadowed by the module {where!r} at {path_of(module)}: rename the file"
+            )
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{where} has no function {name!r}")
     return fn
 
 
+def path_of(module: Any) -> Path | None:
+    file = getattr(module, "__file__", None)
+    return Path(file).resolve() if file else None
+
+
 def _run(args: argparse.Namespace) -> int:
     from steptune.resilience.elastic import launch
 
     fn = resolve(args.target)
-    fn_args = [a for a in args.args if a != "--"]
+    fn_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
+    ours = {s for a in args._parser._actions for s in a.option_strings}
+    misplaced = [a for a in fn_args if a.split("=", 1)[0] in ours]
+    if misplaced:
+        print(
+            f"steptune resilience elastic: warning: {misplaced} come after the target, so they go to the "
+            "function, not to this command (put options before the target)",
+            file=sys.stderr,
+        )
     try:
         res = launch(
             fn, args.nproc_per_node, *fn_args, timeout_s=args.timeout, group_timeout_s=args.group_timeout,
