@@ -1,7 +1,6 @@
 """The built-in CPU problems and their example candidates: every reference runs on its own inputs, every
 candidate matches its reference on fresh seeded inputs without dispatching the reference's compute ops, and
-the c_fast / c_slow candidates land on the expected side of the reference in a short timing (in a fresh
-process).
+the c_fast / c_slow candidates land on the expected side of the reference in a short in-process timing.
 
 The timing here is deliberately lenient (a shared two-core box is noisy); the evaluation pool does the real
 profiling.
@@ -10,13 +9,10 @@ profiling.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -94,6 +90,14 @@ class _ComputeOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_builtin_set_is_complete():
     assert len(PROBLEMS) >= 13
     with_fast = {c.split("/")[0] for c in CANDIDATES if c.endswith("/c_fast")}
@@ -169,43 +173,16 @@ def speed_ratio(ref, new, inputs, *, rounds: int = 15, round_s: float = 2e-3) ->
     return statistics.median(ratios)
 
 
-def _measure(spec: str) -> list[float]:
-    """Up to three speed ratios of ``spec``, stopping at the first on the expected side (a noisy neighbour
-    can sink one measurement; three misses in a row is a real miss)."""
+@pytest.mark.parametrize("spec", TIMED)
+def test_c_candidate_speed_is_on_the_expected_side(spec, one_thread):
     prob, ref, new = _pair(spec)
     torch.manual_seed(7)
     inputs = prob.get_inputs()
     fast = spec.endswith("/c_fast")
-    ratios: list[float] = []
-    for _ in range(3):
+    ratios = []
+    for _ in range(3):  # a noisy neighbour can sink one measurement; three misses in a row is a real miss
         ratios.append(speed_ratio(ref, new, inputs))
         if (ratios[-1] > 1.1) if fast else (ratios[-1] < 0.9):
-            break
-    return ratios
-
-
-@pytest.fixture(scope="module")
-def timed_ratios() -> dict[str, list[float]]:
-    # In a fresh process: in the full suite the same timing read 0.88-0.91 for layernorm/c_fast (twice in
-    # three runs) against 1.15-1.4 alone, so some state an earlier test leaves in the process (not found)
-    # slows one side; a fresh interpreter times the candidates, not the suite's history.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, __file__], capture_output=True, text=True, timeout=240, env=env, check=True
-    ).stdout
-    ratios: dict[str, list[float]] = json.loads(out.strip().splitlines()[-1])
-    return ratios
-
-
-@pytest.mark.parametrize("spec", TIMED)
-def test_c_candidate_speed_is_on_the_expected_side(spec, timed_ratios):
-    ratios = timed_ratios[spec]
-    fast = spec.endswith("/c_fast")
-    if not any((r > 1.1) if fast else (r < 0.9) for r in ratios):
-        want = "> 1.1 (faster)" if fast else "< 0.9 (slower)"
-        pytest.fail(f"{spec}: t_ref / t_candidate {[round(r, 2) for r in ratios]}, expected {want}")
-
-
-if __name__ == "__main__":  # the timing process of ``timed_ratios``
-    torch.set_num_threads(1)
-    print(json.dumps({spec: _measure(spec) for spec in TIMED}))
+            return
+    want = "> 1.1 (faster)" if fast else "< 0.9 (slower)"
+    pytest.fail(f"{spec}: t_ref / t_candidate {[round(r, 2) for r in ratios]}, expected {want}")
