@@ -23,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-from steptune.resilience.elastic import Elastic, launch
+from steptune.resilience.elastic import Elastic, launch, lost_reason
 
 
 def train(
@@ -78,8 +78,7 @@ def main() -> None:
         return
     first = min(res["results"])  # this host's first finished rank
     for rank, code in res["lost"].items():
-        why = {-9: "SIGKILL", None: "its host was lost"}.get(code, f"exit code {code}")
-        print(f"rank {rank} lost ({why})")
+        print(f"rank {rank} lost ({lost_reason(code)})")
     for rec in res["recoveries"][first]:
         print(f"generation {rec['generation']}: failed in step {rec['failed_at_step']}, resumed at step "
               f"{rec['resume_step']} with ranks {rec['members']}")  # fmt: skip

@@ -67,7 +67,7 @@ from steptune.core.dist import LOOPBACK, abort_group, connect_store, new_gloo_gr
 from steptune.resilience.failstop import run_failstop
 from steptune.resilience.recovery import Snapshots, rejoin
 
-__all__ = ["Elastic", "PeerLost", "launch", "toy_train"]
+__all__ = ["Elastic", "PeerLost", "launch", "lost_reason", "toy_train"]
 
 
 class PeerLost(RuntimeError):
@@ -231,6 +231,11 @@ def _all_started(store: Any, orig: int, members: list[int], wait_s: float = 120.
     return not store.check(["members/1"])  # a rank that died after starting: the others rejoin too
 
 
+def lost_reason(code: int | None) -> str:
+    """Words for a lost rank's exit code in ``launch``'s ``lost``."""
+    return {-signal.SIGKILL: "SIGKILL", None: "its host was lost"}.get(code, f"exit code {code}")
+
+
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when the one that spawned it dies (prctl PR_SET_PDEATHSIG)."""
     spawner = mp.parent_process()
@@ -258,8 +263,9 @@ def launch(
 
     Across hosts: call it on each of ``nnodes`` hosts with its ``node_rank`` and the same ``master``
     (``HOST:PORT`` of node 0, or ``file:PATH`` on a shared filesystem), ``host`` this host's address
-    (default: its hostname); ``nprocs`` ranks per host; a host silent for ``node_timeout_s`` is lost
-    (``elastic_nodes``). Results and recoveries are then this host's ranks' only."""
+    (default: the source address of the route to node 0); ``nprocs`` ranks per host; a host silent for
+    ``node_timeout_s`` is lost (``elastic_nodes``). Results and recoveries are then this host's ranks'
+    only."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     try:

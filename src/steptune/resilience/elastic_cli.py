@@ -20,37 +20,28 @@ def resolve(target: str) -> Any:
     where, sep, name = target.rpartition(":")
     if not sep or not where or not name:
         raise ValueError(f"target must be module:function or file.py:function, got {target!r}")
-    if where.endswith(".py"):
-        path = Path(where).resolve()
-        if not path.is_file():
+    file = Path(where).resolve() if where.endswith(".py") else None
+    if file is not None:
+        if not file.is_file():
             raise ValueError(f"no such file: {where}")
-        folder = str(path.parent)
-        if folder not in sys.path:  # appended, so the file's neighbours cannot shadow installed modules;
-            sys.path.append(folder)  # spawned ranks get this sys.path and import the function by name
-        where = path.stem
+        if str(file.parent) not in sys.path:  # appended, so the file's neighbours cannot shadow installed
+            sys.path.append(str(file.parent))  # modules; spawned ranks get this sys.path
+        where = file.stem
     try:
         module = importlib.import_module(where)
     except Exception as err:  # ImportError, or the file's own error (a SyntaxError, ...)
         raise ValueError(f"cannot import {where!r}: {type(err).__name__}: {err}") from err
-    if path_of(module) is not None and target.rpartition(":")[0].endswith(".py"):
-        wanted = Path(target.rpartition(":")[0]).resolve()
-        if path_of(module) != wanted:
-            raise ValueError(
-                f"{wanted.name} is shadowed by the module {where!r} at {path_of(module)}: rename the file"
-            )
+    found = getattr(module, "__file__", None)
+    if file is not None and found and Path(found).resolve() != file:
+        raise ValueError(f"{file.name} is shadowed by the module {where!r} at {found}: rename the file")
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{where} has no function {name!r}")
     return fn
 
 
-def path_of(module: Any) -> Path | None:
-    file = getattr(module, "__file__", None)
-    return Path(file).resolve() if file else None
-
-
 def _run(args: argparse.Namespace) -> int:
-    from steptune.resilience.elastic import launch
+    from steptune.resilience.elastic import launch, lost_reason
 
     fn = resolve(args.target)
     fn_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
@@ -72,8 +63,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"steptune resilience elastic: {err}", file=sys.stderr)
         return 1
     for rank, code in sorted(res["lost"].items()):
-        why = {-9: "SIGKILL", None: "its host was lost"}.get(code, f"exit code {code}")
-        print(f"rank {rank} lost ({why})")
+        print(f"rank {rank} lost ({lost_reason(code)})")
     for rank, recs in sorted(res["recoveries"].items()):
         for rec in recs:
             print(f"rank {rank}: generation {rec['generation']}, failed in step {rec['failed_at_step']}, "

@@ -107,7 +107,7 @@ class _Watch:
     """Node 0's view of every rank and node, from the agents' store keys, fed to the ``Coordinator``."""
 
     def __init__(self, store: Any, world: int, nprocs: int, nnodes: int, node_timeout_s: float) -> None:
-        self.store, self.world, self.nprocs, self.node_timeout_s = store, world, nprocs, node_timeout_s
+        self.store, self.nprocs, self.node_timeout_s = store, nprocs, node_timeout_s
         self.coord = Coordinator(store, set(range(world)))
         t0 = time.monotonic()
         self.beats: dict[int, tuple[bytes | None, float]] = {k: (None, t0) for k in range(nnodes)}
