@@ -238,16 +238,22 @@ def launch_nodes(
                 if watch.coord.done:
                     end = {"survivors": sorted(watch.coord.alive), "lost": watch.coord.lost}
                     store.set("job/end", json.dumps(end))
+        end = json.loads(store.get("job/end").decode())
+        if watch is None:
+            store.set(f"node/{node_rank}/ack", "1")
+    except dist.DistError as err:  # cut off from node 0 (or it is gone) past the store's 60 s timeout
+        raise RuntimeError(
+            f"node {node_rank} lost the store at {store_host}:{port}, node 0's agent "
+            f"({str(err).splitlines()[0]}); this host's ranks were stopped. Node 0 takes a host silent "
+            f"for {node_timeout_s} s for lost and goes on without it"
+        ) from None
     finally:
         for p in procs.values():
             if p.is_alive():
                 p.kill()
         if rdzv_file is not None and node_rank == 0:
             rdzv_file.unlink(missing_ok=True)  # a later job must not find this store's address
-    end = json.loads(store.get("job/end").decode())
-    if watch is None:
-        store.set(f"node/{node_rank}/ack", "1")
-    else:  # the store dies with this process: let every live agent read the end first
+    if watch is not None:  # the store dies with this process: let every live agent read the end first
         _wait_acks(store, watch.live_nodes())
     return {
         "results": {r: info["result"] for r, info in sorted(infos.items())},
