@@ -65,7 +65,7 @@ from torch import nn
 
 from steptune.core.dist import LOOPBACK, abort_group, connect_store, new_gloo_group, pack_grads, unpack_grads
 from steptune.resilience.failstop import run_failstop
-from steptune.resilience.recovery import Snapshots, rejoin
+from steptune.resilience.recovery import NotListed, Snapshots, rejoin
 
 __all__ = ["Elastic", "PeerLost", "launch", "lost_reason", "toy_train"]
 
@@ -78,10 +78,12 @@ class Elastic:
     """One rank's view of the elastic job (built by ``launch``; passed to the training function)."""
 
     def __init__(
-        self, store: Any, orig: int, members: list[int], *, timeout_s: float = 20.0, host: str = LOOPBACK
-    ) -> None:
+        self, store: Any, orig: int, members: list[int], *, timeout_s: float = 20.0, host: str = LOOPBACK,
+        fence: str | None = None,
+    ) -> None:  # fmt: skip
         self.orig = orig  # the rank this process was started as; never changes
         self._host = host  # the address this rank's gloo device binds to
+        self._fence = fence  # a store key set when this rank's host is taken for lost (elastic_nodes)
         self.members = list(members)  # surviving original ranks, in group-rank order
         self.step = 0
         self.generation = 0
@@ -161,6 +163,13 @@ class Elastic:
         first. Any other exception is yours and propagates."""
         if self._snapshots is None:
             raise RuntimeError("call ctx.track(model, optimizer, ...) before the first ctx.attempt()")
+        if self._fence is not None and self._store.check([self._fence]):
+            # Its agent may be only stalled (SIGSTOP, swap) and unable to stop it: this rank stops itself,
+            # so the survivors' next collective fails and they regroup as the launcher listed them.
+            raise NotListed(
+                f"rank {self.orig}: its host was taken for lost (node 0 heard no beat from its agent) and "
+                "fenced; this rank stops so that the others go on without it"
+            )
         if self._failed:
             self._recover()
         self._snapshots.take(self.step)
@@ -205,7 +214,7 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
         os.kill(os.getpid(), signal.SIGKILL)
     ctx = Elastic(
         store, orig, list(spec.get("members", range(world))), timeout_s=float(spec["group_timeout_s"]),
-        host=spec.get("host", LOOPBACK),
+        host=spec.get("host", LOOPBACK), fence=spec.get("fence"),
     )  # fmt: skip
     try:
         result = spec["fn"](ctx, *spec["args"])

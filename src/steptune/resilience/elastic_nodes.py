@@ -11,7 +11,8 @@ reports each of its ranks as ``finished/<rank>``, ``exit/<rank>`` (its exit code
 ``error/<rank>`` (a traceback of the user's code, which stops the job), and beats ``node/<K>/beat``
 every 0.25 s. Node 0 turns these into ``failstop.Coordinator`` events; a node whose beat stops for
 ``node_timeout_s`` is a lost host, all its unfinished ranks dead (its ranks die with their agent:
-PR_SET_PDEATHSIG). The ranks' side (rejoin, roll back, redo the step) is ``elastic.Elastic``'s. At the end
+PR_SET_PDEATHSIG); it is fenced (``node/<K>/lost``), and its agent, if only stalled, and its ranks, at
+their next ``attempt``, stop on reading that. The ranks' side (rejoin, roll back, redo the step) is ``elastic.Elastic``'s. At the end
 node 0 writes ``job/end`` (survivors, lost ranks) and waits up to 10 s for every live agent to read it.
 
 Limits: node 0 is not survivable (the store and the member lists live there, as torchrun's c10d rendezvous
@@ -178,7 +179,8 @@ def launch_nodes(
     world = nnodes * nprocs
     mine = list(range(node_rank * nprocs, (node_rank + 1) * nprocs))
     spec = {"ranks": world, "mode": "survive", "fn": fn, "args": args, "group_timeout_s": group_timeout_s,
-            "threads": threads, "store_host": store_host, "host": host, "agent_pid": os.getpid()}  # fmt: skip
+            "threads": threads, "store_host": store_host, "host": host,
+            "fence": f"node/{node_rank}/lost"}  # fmt: skip
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = {

@@ -1,8 +1,8 @@
-"""One host agent of a two-host ``elastic`` job, for ``test_elastic_netns.py`` (run inside a network
-namespace): ``python netns_node.py NODE_RANK MASTER HOST|auto STEPS MARK_PATH``. Each step sleeps 0.2 s,
-so a partition made from outside lands mid-run; rank 0 creates MARK_PATH once it reaches step 3. Prints
-one JSON line: the launch's survivors, lost ranks and rank 0's (or this host's first rank's) losses, or
-the error it raised."""
+"""One host agent of a two-host ``elastic`` job, for the tests that cut, heal or stop a host from
+outside (``test_elastic_netns.py``, ``test_elastic_nodes.py``):
+``python two_hosts_agent.py NODE_RANK MASTER HOST|auto STEPS MARK_PATH``. Each step sleeps 0.2 s, so
+the fault lands mid-run; rank 0 creates MARK_PATH once it reaches step 3. Prints one JSON line: the
+survivors, lost ranks, and this host's first rank's losses and recoveries, or the error it raised."""
 
 from __future__ import annotations
 
