@@ -7,7 +7,6 @@ between them), one agent in each; a ``blackhole`` qdisc on both ends makes packe
 when a switch port dies. Node 1 finds its own address from the route to node 0. They need root (``ip
 netns``) and are skipped otherwise; the stalled agent runs on loopback anywhere."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ import psutil
 import pytest
 
 from steptune.core.dist import master_store
-from steptune.resilience.elastic import Elastic
+from steptune.resilience.elastic import Elastic, toy_train
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
@@ -72,11 +71,8 @@ def netns():
 
 
 def _reference():
-    """The failure-free trajectory: the agent script's loop on one rank, in this process."""
-    spec = importlib.util.spec_from_file_location("two_hosts_agent", AGENT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.train(Elastic(master_store(), 0, [0], timeout_s=5), STEPS, None)
+    """The failure-free trajectory: the same loop on one rank, in this process."""
+    return toy_train(Elastic(master_store(), 0, [0], timeout_s=5), STEPS)
 
 
 def _run(tmp_path, prefixes, hosts, fault):

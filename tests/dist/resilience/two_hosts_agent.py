@@ -1,5 +1,5 @@
 """One host agent of a two-host ``elastic`` job, for the tests that cut, heal or stop a host from
-outside (``test_elastic_netns.py``, ``test_elastic_nodes.py``):
+outside (``test_elastic_host_faults.py``):
 ``python two_hosts_agent.py NODE_RANK MASTER HOST|auto STEPS MARK_PATH``. Each step sleeps 0.2 s, so
 the fault lands mid-run; rank 0 creates MARK_PATH once it reaches step 3. Prints one JSON line: the
 survivors, lost ranks, and this host's first rank's losses and recoveries, or the error it raised."""
@@ -10,35 +10,34 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from steptune.resilience.elastic import Elastic, launch
+from steptune.resilience.elastic import Elastic, launch, toy_train
 
 
-def train(ctx: Elastic, steps: int, mark: str | None) -> dict[int, float]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ctx.track(model, opt)
-    losses: dict[int, float] = {}
-    while ctx.step < steps:
-        with ctx.attempt():
-            g = torch.Generator().manual_seed(ctx.step)
-            x = torch.randn(24, 16, generator=g)
-            y = torch.sin(x.sum(1, keepdim=True))
-            mine = list(ctx.shard(len(x)))
-            loss = ((model(x[mine]) - y[mine]) ** 2).sum() / len(x)
-            loss.backward()
-            if mark is not None and ctx.orig == 0 and ctx.step == 3:
-                Path(mark).touch()
-            if mark is not None:
-                time.sleep(0.2)
-            losses[ctx.step] = ctx.sync(model, loss)
-            opt.step()
-            opt.zero_grad()
-    return losses
+class _Paced:
+    """``ctx`` with a 0.2 s sleep before each sync (so that a fault made from outside lands mid-run), and
+    rank 0 creating ``mark`` once it reaches step 3."""
+
+    def __init__(self, ctx: Elastic, mark: str) -> None:
+        self._ctx, self._mark = ctx, mark
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+    def sync(self, model: nn.Module, loss: torch.Tensor) -> float:
+        if self._ctx.orig == 0 and self._ctx.step == 3:
+            Path(self._mark).touch()
+        time.sleep(0.2)
+        return self._ctx.sync(model, loss)
+
+
+def train(ctx: Elastic, steps: int, mark: str) -> dict[int, float]:
+    """``toy_train``'s loop (whose failure-free losses the tests compare with), paced."""
+    return toy_train(_Paced(ctx, mark), steps)  # type: ignore[arg-type]
 
 
 def main() -> None:
