@@ -8,16 +8,16 @@ Contract. Node 0's agent owns the ``TCPStore`` at ``master`` (``HOST:PORT``; or 
 shared filesystem where node 0 writes the address it bound, port chosen by the OS). Node K runs original
 ranks ``K * nprocs`` to ``(K + 1) * nprocs - 1``, each with its gloo device bound to ``host``. An agent
 reports each of its ranks as ``finished/<rank>``, ``exit/<rank>`` (its exit code: a death) or
-``error/<rank>`` (a traceback of the user's code, which stops the job), and beats ``node/<K>/beat``
-every 0.25 s. Node 0 turns these into ``failstop.Coordinator`` events; a node whose beat stops for
-``node_timeout_s`` is a lost host, all its unfinished ranks dead (its ranks die with their agent:
-PR_SET_PDEATHSIG); it is fenced (``node/<K>/lost``), and its agent, if only stalled, and its ranks, at
-their next ``attempt``, stop on reading that. The ranks' side (rejoin, roll back, redo the step) is ``elastic.Elastic``'s. At the end
-node 0 writes ``job/end`` (survivors, lost ranks) and waits up to 10 s for every live agent to read it.
+``error/<rank>`` (a traceback of the user's code, which stops the job), counts each report in ``events``,
+and beats ``node/<K>/beat`` (a counter) every 0.25 s. Node 0 turns these into ``failstop.Coordinator``
+events. A node whose beat stops for ``node_timeout_s`` is a lost host, all its unfinished ranks dead (its
+ranks die with their agent: PR_SET_PDEATHSIG). It is fenced (``node/<K>/lost``): its agent, if only
+stalled, and its ranks, at their next ``attempt``, stop on reading that. The ranks' side (rejoin, roll
+back, redo the step) is ``elastic.Elastic``'s. At the end node 0 writes ``job/end`` (survivors, lost
+ranks) and waits up to 10 s for every live agent to read it.
 
 Limits: node 0 is not survivable (the store and the member lists live there, as torchrun's c10d rendezvous
-lives on its host); the coordinator polls a few store keys per rank every 50 ms, which suits tens of ranks,
-not thousands; gloo only.
+lives on its host); gloo only.
 """
 
 from __future__ import annotations
@@ -105,41 +105,52 @@ def _default_host(toward: str | None) -> str:
 
 
 class _Watch:
-    """Node 0's view of every rank and node, from the agents' store keys, fed to the ``Coordinator``."""
+    """Node 0's view of every rank and node, from the agents' store keys, fed to the ``Coordinator``. An
+    idle poll costs a few store round trips whatever the number of ranks: the agents count their reports
+    in ``events`` (the ranks' keys are read only when it moved) and their beats in ``node/<K>/beat`` (one
+    ``multi_get`` for every node)."""
 
     def __init__(self, store: Any, world: int, nprocs: int, nnodes: int, node_timeout_s: float) -> None:
         self.store, self.nprocs, self.node_timeout_s = store, nprocs, node_timeout_s
         self.coord = Coordinator(store, set(range(world)))
+        self.events_seen = -1
         t0 = time.monotonic()
-        self.beats: dict[int, tuple[bytes | None, float]] = {k: (None, t0) for k in range(nnodes)}
+        self.beats: dict[int, tuple[int, float]] = {k: (0, t0) for k in range(1, nnodes)}  # count, since
+        self.beat_keys = [f"node/{k}/beat" for k in self.beats]
+        for key in self.beat_keys:
+            store.add(key, 0)  # exists from now on, so multi_get never waits for a node that has not beaten
 
     def poll(self) -> str | None:
         """Feed new events to the coordinator; returns an error to stop the job with, or None."""
         coord, store = self.coord, self.store
         dead: dict[int, int | None] = {}
-        for r in sorted(coord.alive - coord.finished):
-            if store.check([f"error/{r}"]):
-                return f"rank {r} raised (the job is stopped):\n{store.get(f'error/{r}').decode()}"
-            if store.check([f"finished/{r}"]):
-                coord.finished_rank(r)
-            elif store.check([f"exit/{r}"]):
-                dead[r] = int(store.get(f"exit/{r}").decode())
+        events = int(store.add("events", 0))
+        if events != self.events_seen:  # a report since the last scan (agents set the key, then count it)
+            self.events_seen = events
+            for r in sorted(coord.alive - coord.finished):
+                if store.check([f"error/{r}"]):
+                    return f"rank {r} raised (the job is stopped):\n{store.get(f'error/{r}').decode()}"
+                if store.check([f"finished/{r}"]):
+                    coord.finished_rank(r)
+                elif store.check([f"exit/{r}"]):
+                    dead[r] = int(store.get(f"exit/{r}").decode())
         now = time.monotonic()
-        for k, (seen, since) in self.beats.items():
-            if k == 0:  # this process: its own ranks are watched directly
+        counts = store.multi_get(self.beat_keys) if self.beat_keys else []
+        for (k, (seen, since)), raw in zip(list(self.beats.items()), counts, strict=True):
+            count = int(raw.decode())
+            if since == math.inf:  # taken for lost already: a beat from it now changes nothing
                 continue
-            beat = store.get(f"node/{k}/beat") if store.check([f"node/{k}/beat"]) else None
-            if beat != seen:
-                self.beats[k] = (beat, now)
+            if count != seen:
+                self.beats[k] = (count, now)
                 continue
-            limit = self.node_timeout_s if seen is not None else _STARTUP_S
+            limit = self.node_timeout_s if seen > 0 else _STARTUP_S
             if now - since > limit:  # a lost host: its agent and (through PDEATHSIG) its ranks are gone
-                # Fenced, in case it is only starved or cut off: its agent kills its ranks on seeing this.
+                # Fenced, in case it is only starved or cut off: its agent and its ranks stop on seeing this.
                 store.set(f"node/{k}/lost", "1")
                 for r in range(k * self.nprocs, (k + 1) * self.nprocs):
                     if r in coord.alive and r not in coord.finished and r not in dead:
                         dead[r] = None
-                self.beats[k] = (beat, math.inf)  # reported once
+                self.beats[k] = (count, math.inf)  # reported once
         try:
             if dead:
                 coord.died(dead)
@@ -151,7 +162,7 @@ class _Watch:
 
     def live_nodes(self) -> list[int]:
         """Nodes other than 0 not taken for lost."""
-        return [k for k, (_, since) in self.beats.items() if k != 0 and since != math.inf]
+        return [k for k, (_, since) in self.beats.items() if since != math.inf]
 
 
 def _wait_acks(store: Any, nodes: list[int], wait_s: float = 10.0) -> None:
@@ -193,12 +204,11 @@ def launch_nodes(
     deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
     infos: dict[int, Any] = {}
     reported: set[int] = set()
-    beat, next_beat = 0, 0.0
+    next_beat = 0.0
     try:
         while not store.check(["job/end"]):
             if time.monotonic() >= next_beat:
-                beat += 1
-                store.set(f"node/{node_rank}/beat", str(beat))
+                store.add(f"node/{node_rank}/beat", 1)
                 next_beat = time.monotonic() + _BEAT_S
             # Exits seen before the queue is read: a rank that put its result and exited in between is
             # then read from the queue first (its result was in the pipe before it exited).
@@ -210,6 +220,7 @@ def launch_nodes(
                 else:
                     infos[rank] = info
                     store.set(f"finished/{rank}", "1")
+                store.add("events", 1)
                 reported.add(rank)
                 continue
             except queue.Empty:
@@ -217,6 +228,8 @@ def launch_nodes(
             for r in exited:
                 store.set(f"exit/{r}", str(procs[r].exitcode))
                 reported.add(r)
+            if exited:
+                store.add("events", 1)
             if store.check(["job/stop"]):
                 stop = json.loads(store.get("job/stop").decode())
                 store.set(f"node/{node_rank}/ack", "1")

@@ -1,6 +1,7 @@
 """The launcher's side of fail-stop survival (``failstop.Coordinator``), on a real in-process store."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -61,3 +62,52 @@ def test_a_local_error_in_sync_is_the_callers_not_a_peers_death():
         emb(torch.tensor([1])).sum().backward()
         ctx.sync(emb)
     assert not isinstance(info.value, PeerLost), info.value
+
+
+class _Counting:
+    """A store that counts the calls made on it."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def test_node_0s_idle_poll_costs_the_same_few_store_calls_for_any_number_of_ranks():
+    from steptune.resilience.elastic_nodes import _Watch
+
+    costs = []
+    for world, nnodes in ((4, 2), (256, 32)):
+        store = _Counting(master_store())
+        watch = _Watch(store, world, world // nnodes, nnodes, node_timeout_s=60)
+        assert watch.poll() is None
+        store.calls = 0
+        assert watch.poll() is None  # nothing happened since: no rank's keys are read
+        costs.append(store.calls)
+    assert costs[0] == costs[1] <= 4, costs  # it used to be 3 per rank and 2 per node (800 at 256 ranks)
+
+
+def test_node_0s_poll_sees_a_report_once_it_is_counted_and_fences_a_silent_host():
+    from steptune.resilience.elastic_nodes import _Watch
+
+    store = master_store()
+    watch = _Watch(store, 4, 2, 2, node_timeout_s=0.2)
+    store.add("node/1/beat", 1)
+    assert watch.poll() is None
+    store.set("finished/1", "1")
+    assert watch.poll() is None and watch.coord.finished == set()  # set, not yet counted: unseen
+    store.add("events", 1)
+    assert watch.poll() is None and watch.coord.finished == {1}
+    time.sleep(0.3)  # node 1 beats no more
+    assert watch.poll() is None
+    assert store.check(["node/1/lost"]) and watch.coord.lost == {2: None, 3: None}
+    assert json.loads(store.get("members/1")) == [0] and watch.live_nodes() == []  # 1 finished: not listed
