@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Container, Sequence
+import queue
+import threading
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +27,8 @@ _c10d: Any = dist
 __all__ = [
     "DEFAULT_TIMEOUT",
     "LOOPBACK",
+    "DeadlineStore",
+    "StoreUnanswered",
     "abort_group",
     "allreduce_grads",
     "connect_store",
@@ -52,6 +56,55 @@ def master_store(*, host: str = LOOPBACK, port: int = 0) -> Any:
 
 def connect_store(port: int, *, host: str = LOOPBACK, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> Any:
     return _c10d.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+class StoreUnanswered(RuntimeError):
+    """A store call got no answer within its deadline."""
+
+
+class DeadlineStore:
+    """``store`` whose calls give up after ``seconds`` with ``StoreUnanswered``. A ``TCPStore`` client
+    waits for a reply with no time limit: when the network between it and the server goes silent (a
+    partition drops packets without a reset), a call blocks until TCP gives up, about 15 minutes, and
+    possibly for good. The calls run one at a time on a daemon thread; a call past its deadline leaves
+    that thread blocked, and every later call fails at once."""
+
+    def __init__(self, store: Any, seconds: float) -> None:
+        self._store, self._seconds = store, seconds
+        self._calls: queue.Queue[tuple[Callable[[], Any], queue.Queue[tuple[bool, Any]]]] = queue.Queue()
+        self._stuck: str | None = None
+        threading.Thread(target=self._serve, name="store-deadline", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, reply = self._calls.get()
+            try:
+                reply.put((True, call()))
+            except BaseException as err:  # handed to the caller, who raises it
+                reply.put((False, err))
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._stuck is not None:
+                raise StoreUnanswered(
+                    f"the store has not answered {self._stuck} for over {self._seconds:g} s"
+                )
+            reply: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
+            self._calls.put((lambda: attr(*args, **kwargs), reply))
+            try:
+                ok, value = reply.get(timeout=self._seconds)
+            except queue.Empty:
+                self._stuck = name
+                raise StoreUnanswered(f"the store did not answer {name} within {self._seconds:g} s") from None
+            if not ok:
+                raise value
+            return value
+
+        return call
 
 
 def new_gloo_group(

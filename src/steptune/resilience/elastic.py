@@ -84,6 +84,7 @@ class Elastic:
         self.orig = orig  # the rank this process was started as; never changes
         self._host = host  # the address this rank's gloo device binds to
         self._fence = fence  # a store key set when this rank's host is taken for lost (elastic_nodes)
+        self._fence_read = -math.inf  # when it was last read (at most once a second: one store round trip)
         self.members = list(members)  # surviving original ranks, in group-rank order
         self.step = 0
         self.generation = 0
@@ -163,7 +164,7 @@ class Elastic:
         first. Any other exception is yours and propagates."""
         if self._snapshots is None:
             raise RuntimeError("call ctx.track(model, optimizer, ...) before the first ctx.attempt()")
-        if self._fence is not None and self._store.check([self._fence]):
+        if self._fenced():
             # Its agent may be only stalled (SIGSTOP, swap) and unable to stop it: this rank stops itself,
             # so the survivors' next collective fails and they regroup as the launcher listed them.
             raise NotListed(
@@ -184,6 +185,12 @@ class Elastic:
             self._failed = True
         else:
             self.step += 1
+
+    def _fenced(self) -> bool:
+        if self._fence is None or time.monotonic() - self._fence_read < 1.0:
+            return False
+        self._fence_read = time.monotonic()
+        return bool(self._store.check([self._fence]))
 
     def _recover(self) -> None:
         gc.collect()

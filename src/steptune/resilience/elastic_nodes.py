@@ -36,12 +36,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from steptune.core.dist import DeadlineStore, StoreUnanswered
 from steptune.resilience.failstop import Coordinator
 
 __all__ = ["launch_nodes"]
 
 _BEAT_S = 0.25
 _STARTUP_S = 60.0  # how long a node may take to send its first beat
+_RESCAN_S = 1.0  # node 0 reads every rank's keys at least this often, counted or not
 
 
 def _rendezvous(master: str, node_rank: int, host: str | None) -> tuple[Any, str, int, Path | None]:
@@ -113,7 +115,7 @@ class _Watch:
     def __init__(self, store: Any, world: int, nprocs: int, nnodes: int, node_timeout_s: float) -> None:
         self.store, self.nprocs, self.node_timeout_s = store, nprocs, node_timeout_s
         self.coord = Coordinator(store, set(range(world)))
-        self.events_seen = -1
+        self.events_seen, self.scanned = -1, -math.inf
         t0 = time.monotonic()
         self.beats: dict[int, tuple[int, float]] = {k: (0, t0) for k in range(1, nnodes)}  # count, since
         self.beat_keys = [f"node/{k}/beat" for k in self.beats]
@@ -125,8 +127,10 @@ class _Watch:
         coord, store = self.coord, self.store
         dead: dict[int, int | None] = {}
         events = int(store.add("events", 0))
-        if events != self.events_seen:  # a report since the last scan (agents set the key, then count it)
-            self.events_seen = events
+        # A report since the last scan (agents set the key, then count it), or a while since: an agent
+        # that died between the two still has its report read.
+        if events != self.events_seen or time.monotonic() - self.scanned > _RESCAN_S:
+            self.events_seen, self.scanned = events, time.monotonic()
             for r in sorted(coord.alive - coord.finished):
                 if store.check([f"error/{r}"]):
                     return f"rank {r} raised (the job is stopped):\n{store.get(f'error/{r}').decode()}"
@@ -186,6 +190,9 @@ def launch_nodes(
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"node_rank must be in 0..{nnodes - 1}, got {node_rank}")
     store, store_host, port, rdzv_file = _rendezvous(master, node_rank, host)
+    answer_s = max(10.0, 2 * node_timeout_s)
+    if node_rank != 0:  # a TCPStore client never gives up on a silent server (a partition): we do
+        store = DeadlineStore(store, answer_s)
     host = host or (store_host if node_rank == 0 else _default_host(store_host))
     world = nnodes * nprocs
     mine = list(range(node_rank * nprocs, (node_rank + 1) * nprocs))
@@ -256,11 +263,18 @@ def launch_nodes(
         end = json.loads(store.get("job/end").decode())
         if watch is None:
             store.set(f"node/{node_rank}/ack", "1")
-    except dist.DistError as err:  # cut off from node 0 (or it is gone) past the store's 60 s timeout
+    except (dist.DistError, StoreUnanswered) as err:  # cut off from node 0, or node 0 is gone
+        if node_rank == 0:
+            raise
+        why = (
+            f"got no answer from the store at {store_host}:{port}, node 0's agent, for {answer_s:g} s (cut "
+            "off from node 0, or node 0 is stalled)"
+            if isinstance(err, StoreUnanswered)
+            else f"lost the store at {store_host}:{port}, node 0's agent ({str(err).splitlines()[0]})"
+        )
         raise RuntimeError(
-            f"node {node_rank} lost the store at {store_host}:{port}, node 0's agent "
-            f"({str(err).splitlines()[0]}); this host's ranks were stopped. Node 0 takes a host silent "
-            f"for {node_timeout_s} s for lost and goes on without it"
+            f"node {node_rank} {why}; this host's ranks were stopped. Node 0 takes a host silent for "
+            f"{node_timeout_s:g} s for lost and goes on without it"
         ) from None
     finally:
         for p in procs.values():

@@ -97,17 +97,69 @@ def test_node_0s_idle_poll_costs_the_same_few_store_calls_for_any_number_of_rank
 
 
 def test_node_0s_poll_sees_a_report_once_it_is_counted_and_fences_a_silent_host():
-    from steptune.resilience.elastic_nodes import _Watch
+    from steptune.resilience import elastic_nodes
 
     store = master_store()
-    watch = _Watch(store, 4, 2, 2, node_timeout_s=0.2)
+    watch = elastic_nodes._Watch(store, 4, 2, 2, node_timeout_s=60)
     store.add("node/1/beat", 1)
     assert watch.poll() is None
     store.set("finished/1", "1")
     assert watch.poll() is None and watch.coord.finished == set()  # set, not yet counted: unseen
     store.add("events", 1)
     assert watch.poll() is None and watch.coord.finished == {1}
-    time.sleep(0.3)  # node 1 beats no more
+    count, since = watch.beats[1]
+    watch.beats[1] = (count, since - 61)  # node 1 has not beaten for 61 s
     assert watch.poll() is None
     assert store.check(["node/1/lost"]) and watch.coord.lost == {2: None, 3: None}
     assert json.loads(store.get("members/1")) == [0] and watch.live_nodes() == []  # 1 finished: not listed
+    # The fenced host's ranks stop with NotListed, which their agent reports as an error: not the job's.
+    store.set("error/2", "NotListed: rank 2 ...")
+    store.add("events", 1)
+    store.add("node/1/beat", 1)  # and a late beat does not bring the host back
+    assert watch.poll() is None and watch.live_nodes() == []
+
+
+def test_node_0s_poll_reads_an_uncounted_report_within_a_second():
+    # An agent that died between setting its report and counting it: the report is still read.
+    from steptune.resilience import elastic_nodes
+
+    store = master_store()
+    watch = elastic_nodes._Watch(store, 2, 1, 2, node_timeout_s=60)
+    assert watch.poll() is None
+    store.set("error/1", "Traceback: a bug")
+    assert watch.poll() is None  # within the second: not read yet
+    watch.scanned -= elastic_nodes._RESCAN_S
+    assert "rank 1 raised" in watch.poll()
+
+
+def test_a_deadline_store_gives_up_on_a_silent_call_and_then_fails_fast():
+    import threading
+
+    from steptune.core.dist import DeadlineStore, StoreUnanswered
+
+    release = threading.Event()
+
+    class Silent:
+        port = 1234
+
+        def get(self, key):
+            return b"v"
+
+        def check(self, keys):
+            release.wait()  # a reply that never comes
+            return True
+
+        def set(self, key, value):
+            raise ValueError("refused")
+
+    store = DeadlineStore(Silent(), 0.2)
+    assert store.port == 1234 and store.get("k") == b"v"
+    with pytest.raises(ValueError, match="refused"):  # the store's own errors come through as they are
+        store.set("k", "v")
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnanswered, match=r"did not answer check within 0\.2 s"):
+        store.check(["k"])
+    with pytest.raises(StoreUnanswered, match="has not answered check"):
+        store.get("k")  # behind the blocked call: at once
+    assert time.monotonic() - t0 < 2
+    release.set()
