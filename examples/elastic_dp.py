@@ -27,12 +27,16 @@ from steptune.resilience.elastic import Elastic, launch, lost_reason
 
 
 def train(
-    ctx: Elastic, steps: int, kill: tuple[int, int] | None, kill_host: tuple[int, int] | None = None
-) -> dict[int, float]:
+    ctx: Elastic, steps: int, kill: tuple[int, int] | None, kill_host: tuple[int, int] | None = None,
+    ddp: bool = False,
+) -> dict[int, float]:  # fmt: skip
     torch.manual_seed(0)  # every rank builds the same model
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ctx.track(model, opt)  # snapshotted at every step's start
+    # With --ddp: torch's DistributedDataParallel over the survivors, summing (not averaging) gradients
+    # in the backward, so the loss below (scaled by the global batch) gives the same update as ctx.sync.
+    net = ctx.ddp(model, average=False) if ddp else model
     losses: dict[int, float] = {}
     while ctx.step < steps:
         with ctx.attempt():  # a peer's death abandons the step here; the next attempt rejoins and redoes it
@@ -40,14 +44,20 @@ def train(
             x = torch.randn(64, 16, generator=g)
             y = torch.sin(x.sum(1, keepdim=True))
             mine = list(ctx.shard(len(x)))  # this rank's share among the current survivors
-            loss = ((model(x[mine]) - y[mine]) ** 2).sum() / len(x)  # scaled by the global batch
-            loss.backward()
-            if kill == (ctx.orig, ctx.step):
+            loss = ((net(x[mine]) - y[mine]) ** 2).sum() / len(x)  # scaled by the global batch
+            if kill == (
+                ctx.orig,
+                ctx.step,
+            ):  # mid-step: the others' all-reduce (DDP's backward, or sync) fails
                 os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
             if kill_host == (ctx.orig, ctx.step):  # the host agent; its ranks die with it
                 os.kill(os.getppid(), signal.SIGKILL)
                 time.sleep(60)
-            losses[ctx.step] = ctx.sync(model, loss)  # SUM of gradients and loss over the survivors
+            if ddp:  # the gradients were summed in the backward: only the loss, for the log
+                losses[ctx.step] = float(ctx.all_reduce(loss.detach().reshape(1).clone()))
+            else:
+                losses[ctx.step] = ctx.sync(model, loss)  # SUM of gradients and loss over the survivors
             opt.step()
             opt.zero_grad()
     return losses
@@ -64,6 +74,9 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1", help="this host's address for gloo (default 127.0.0.1)")
     ap.add_argument("--kill-host", default="none", help="RANK:STEP: that rank kills its host agent")
     ap.add_argument(
+        "--ddp", action="store_true", help="train under ctx.ddp (torch's DDP) instead of ctx.sync"
+    )
+    ap.add_argument(
         "--node-timeout", type=float, default=5.0, help="silent seconds that lose a host (default 5)"
     )
     args = ap.parse_args()
@@ -72,7 +85,7 @@ def main() -> None:
     ref = launch(train, 1, args.steps, None)["results"][0]
     nodes = {"nnodes": args.nnodes, "node_rank": args.node_rank, "master": args.master, "host": args.host,
              "node_timeout_s": args.node_timeout}  # fmt: skip
-    res = launch(train, args.ranks, args.steps, kill, kill_host, **nodes)
+    res = launch(train, args.ranks, args.steps, kill, kill_host, args.ddp, **nodes)
     if not res["results"]:
         print(f"no rank of this host survived; survivors {res['survivors']}")
         return

@@ -31,6 +31,7 @@ __all__ = [
     "StoreUnanswered",
     "abort_group",
     "allreduce_grads",
+    "as_process_group",
     "connect_store",
     "env_rank",
     "irecv",
@@ -124,6 +125,17 @@ def new_gloo_group(
     opts._timeout = timeout
     opts._devices = [gloo.create_device(hostname=host)]
     group: dist.ProcessGroup = gloo(_c10d.PrefixStore(prefix, store), rank, world_size, opts)
+    return group
+
+
+def as_process_group(backend: Any, store: Any, rank: int, world_size: int, *, prefix: str) -> Any:
+    """``backend`` (a gloo group from ``new_gloo_group``) as the ``ProcessGroup`` that APIs such as
+    ``DistributedDataParallel(process_group=...)`` take. Nothing is registered with torch.distributed's
+    world: no default group is needed, and dropping the result (then aborting ``backend``) frees it."""
+    group = _c10d.ProcessGroup(_c10d.PrefixStore(prefix, store), rank, world_size)
+    kind = _c10d.ProcessGroup.BackendType.GLOO
+    group._set_default_backend(kind)
+    group._register_backend(torch.device("cpu"), kind, backend)
     return group
 
 

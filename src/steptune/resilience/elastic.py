@@ -33,7 +33,8 @@ is then the same for any number of ranks, and the loss trajectory matches a fail
 summation order. Only what ``track`` was given is rolled back; keep per-step results keyed by
 ``ctx.step`` (a redone step overwrites its entry). DP only: every rank holds the whole model; sharded
 state (FSDP, TP, PP) needs the copies of ``failstop_pipe`` / ``failstop_tp``. Collectives go through
-``ctx`` (its own gloo group; there is no default process group, so no DDP). Each attempt deep-copies the
+``ctx`` (its own gloo group; there is no default process group): ``ctx.sync``, ``ctx.all_reduce``, or
+torch's DDP over the survivors with ``ctx.ddp(model)`` (``elastic_ddp``). Each attempt deep-copies the
 tracked state and two copies are kept (with AdamW about 6x the parameters' memory). A peer that is only
 slow past ``group_timeout_s`` makes its peers' collective fail, and its own once they drop the group: once
 every live rank has announced itself, the launcher lists them all again and the step is redone by all.
@@ -56,6 +57,7 @@ import pickle
 import signal
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -94,6 +96,8 @@ class Elastic:
         self._snapshots: Snapshots | None = None
         self._failed = False
         self._synced = False  # ctx.sync ran in this attempt
+        self._comm_failed = False  # a ctx.ddp all-reduce failed in this attempt
+        self._ddps: list[weakref.ref[Any]] = []
         self._group: Any = None
         if not _all_started(store, orig, self.members):  # a peer died at start-up: rejoin right away
             self._failed = True
@@ -143,6 +147,17 @@ class Elastic:
         unpack_grads(params, flat, keep)
         return float(total.item())
 
+    def ddp(self, module: nn.Module, *, average: bool = True, **ddp_kwargs: Any) -> nn.Module:
+        """``module`` under torch's ``DistributedDataParallel`` over the survivors, rebuilt after each death
+        (``elastic_ddp``): call it once, then use the result as the model; its backward all-reduces the
+        gradients, so skip ``ctx.sync``. ``average``: divide the summed gradients by ``ctx.world`` (DDP's
+        convention; False keeps ``ctx.sync``'s sum). Other keywords go to ``DistributedDataParallel``."""
+        from steptune.resilience.elastic_ddp import ElasticDDP
+
+        wrapper = ElasticDDP(self, module, len(self._ddps), average=average, **ddp_kwargs)
+        self._ddps.append(weakref.ref(wrapper))
+        return wrapper
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """SUM ``tensor`` in place over the survivors (for metrics or your own synchronisation). Raises
         ``PeerLost`` if a peer died."""
@@ -174,17 +189,28 @@ class Elastic:
         if self._failed:
             self._recover()
         self._snapshots.take(self.step)
-        self._synced = False
+        self._synced = self._comm_failed = False
         try:
             yield
         except PeerLost:
-            # Drop the broken group here; recovery waits for the next attempt, outside this exception,
-            # whose traceback can hold frames that reach the group (its sockets close once it is freed).
-            abort_group(self._group)
-            self._group = None
-            self._failed = True
+            self._lose_group()
+        except RuntimeError:
+            if not self._comm_failed:  # the user's own error
+                raise
+            self._lose_group()  # a ctx.ddp all-reduce failed: it surfaces from backward as a RuntimeError
         else:
             self.step += 1
+
+    def _lose_group(self) -> None:
+        # Drop the broken group here; recovery waits for the next attempt, outside this exception,
+        # whose traceback can hold frames that reach the group (its sockets close once it is freed).
+        for ref in self._ddps:
+            wrapper = ref()
+            if wrapper is not None:
+                wrapper.drop()
+        abort_group(self._group)
+        self._group = None
+        self._failed = True
 
     def _fenced(self) -> bool:
         if self._fence is None or time.monotonic() - self._fence_read < 1.0:
@@ -319,7 +345,8 @@ def toy_train(
     ctx: Elastic, steps: int, kills: list[list[int]] | None = None, errors: list[list[int]] | None = None,
     seed: int = 0, late_kills: list[list[int]] | None = None, stalls: list[list[float]] | None = None,
     sync_kills: list[list[int]] | None = None, sync_misses: list[list[int]] | None = None,
-    agent_kills: list[list[int]] | None = None,
+    agent_kills: list[list[int]] | None = None, ddp: str | None = None,
+    forward_kills: list[list[int]] | None = None,
 ) -> dict[int, float]:  # fmt: skip
     """The loop of the module docstring on a small MLP (the tests' training function): every step a
     global batch of 24 items from ``seed`` and the step, this rank's share of it, AdamW. Fault injection
@@ -330,10 +357,20 @@ def toy_train(
     seconds], ...], before any recovery only) sleep before the sync: a peer slower than the group timeout.
     The split outcome of a death inside the sync (before any recovery only): ``sync_kills`` die once it
     completed, ``sync_misses`` see it fail although it completed. ``agent_kills`` SIGKILL the process that
-    spawned this rank (a host agent of ``elastic_nodes``: the whole host is lost) before the sync."""
+    spawned this rank (a host agent of ``elastic_nodes``: the whole host is lost) before the sync.
+
+    ``ddp``: the model runs under ``ctx.ddp`` instead of ``ctx.sync``, its gradients all-reduced in the
+    backward: ``"sum"`` with the loss scaled by the global batch (``average=False``), ``"mean"`` with each
+    rank's mean loss (DDP's averaging; 24 items split evenly over 1-4 ranks give the same update). The
+    ``kills`` and ``errors`` then strike before the backward, so the peers' backward all-reduce fails. The
+    model has a buffer, which DDP broadcasts in each forward; ``forward_kills`` die before the forward, so
+    that broadcast fails on the peers."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if ddp:
+        model.register_buffer("steps_seen", torch.zeros(1))  # broadcast by DDP in every forward
+    net = ctx.ddp(model, average=ddp == "mean") if ddp else model
     ctx.track(model, opt)
     losses: dict[int, float] = {}
     while ctx.step < steps:
@@ -342,19 +379,26 @@ def toy_train(
             x = torch.randn(24, 16, generator=g)
             y = torch.sin(x.sum(1, keepdim=True))
             mine = list(ctx.shard(len(x)))
-            loss = ((model(x[mine]) - y[mine]) ** 2).sum() / len(x)
-            loss.backward()
-            if [ctx.orig, ctx.step] in (kills or []):
+            if [ctx.orig, ctx.step] in (forward_kills or []):
                 os.kill(os.getpid(), signal.SIGKILL)
-            if [ctx.orig, ctx.step] in (errors or []):
-                raise RuntimeError(f"injected: a bug in rank {ctx.orig}'s step {ctx.step}")
+            err = (net(x[mine]) - y[mine]) ** 2
+            loss = err.mean() if ddp == "mean" else err.sum() / len(x)
+            if ddp:
+                _strike(ctx, kills, errors)
+            loss.backward()
+            if not ddp:
+                _strike(ctx, kills, errors)
             if [ctx.orig, ctx.step] in (agent_kills or []):
                 os.kill(os.getppid(), signal.SIGKILL)
                 time.sleep(60)  # the agent's death kills this rank too (PR_SET_PDEATHSIG)
             for rank, step, seconds in stalls or []:
                 if (rank, step) == (ctx.orig, ctx.step) and ctx.generation == 0:
                     time.sleep(seconds)
-            losses[ctx.step] = ctx.sync(model, loss)
+            if ddp:
+                total = ctx.all_reduce(loss.detach().reshape(1).clone())
+                losses[ctx.step] = float(total) / (ctx.world if ddp == "mean" else 1)
+            else:
+                losses[ctx.step] = ctx.sync(model, loss)
             if [ctx.orig, ctx.step] in (sync_kills or []) and ctx.generation == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             if [ctx.orig, ctx.step] in (sync_misses or []) and ctx.generation == 0:
@@ -366,3 +410,10 @@ def toy_train(
                     os.kill(os.getpid(), signal.SIGKILL)
                 ctx.all_reduce(torch.ones(1))  # a metric, after the update
     return losses
+
+
+def _strike(ctx: Elastic, kills: list[list[int]] | None, errors: list[list[int]] | None) -> None:
+    if [ctx.orig, ctx.step] in (kills or []):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if [ctx.orig, ctx.step] in (errors or []):
+        raise RuntimeError(f"injected: a bug in rank {ctx.orig}'s step {ctx.step}")
