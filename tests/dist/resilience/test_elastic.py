@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from steptune.core.dist import master_store
 from steptune.resilience import elastic
@@ -29,9 +30,15 @@ def _reference(steps):
     return toy_train(Elastic(master_store(), 0, [0], timeout_s=5), steps)
 
 
-def test_survivors_of_a_death_mid_step_continue_and_match_the_failure_free_losses():
+NO_FAULTS = (None, 0, None, None, None, None, None)  # toy_train's errors .. agent_kills
+
+
+@pytest.mark.parametrize("ddp", [None, "sum", "mean"])
+def test_survivors_of_a_death_mid_step_continue_and_match_the_failure_free_losses(ddp):
+    # Rank 2 dies in step 3 before the gradients are shared: after its backward, before ctx.sync; or, under
+    # ctx.ddp (elastic_ddp), before its backward, so that the others' all-reduce fails inside DDP's.
     ref = _reference(8)
-    res = launch(toy_train, 4, 8, [[2, 3]])  # rank 2 dies in step 3, after its backward, before the sync
+    res = launch(toy_train, 4, 8, [[2, 3]], *NO_FAULTS, ddp, timeout_s=180)
     assert res["survivors"] == [0, 1, 3] and res["lost"] == {2: -9}, res
     for rank in (0, 1, 3):
         assert sorted(res["results"][rank]) == list(range(8)), res
@@ -147,3 +154,28 @@ def test_a_second_sync_in_one_attempt_is_refused():
     with pytest.raises(RuntimeError, match=r"ctx\.sync ran twice"), ctx.attempt():
         ctx.sync(model)
         ctx.sync(model)
+
+
+def test_a_death_before_the_forward_breaks_ddps_buffer_broadcast_and_is_survived():
+    # DDP broadcasts the model's buffers at the start of each forward: rank 1's death before its forward
+    # makes that broadcast fail on the others, outside the gradient hook.
+    ref = _reference(6)
+    res = launch(toy_train, 3, 6, None, *NO_FAULTS, "sum", [[1, 2]], timeout_s=180)
+    assert res["survivors"] == [0, 2] and res["lost"] == {1: -9}, res
+    assert _max_rel(res["results"][0], ref) <= 1e-5, res
+    assert [r["members"] for r in res["recoveries"][0]] == [[0, 2]], res
+
+
+def test_an_error_of_the_users_code_under_ddp_still_stops_the_job():
+    # A RuntimeError with no failed all-reduce behind it is not a death: the job stops with it.
+    with pytest.raises(RuntimeError, match=r"rank 1 raised(.|\n)*injected: a bug in rank 1's step 2"):
+        launch(toy_train, 3, 6, None, [[1, 2]], 0, None, None, None, None, None, "sum", timeout_s=120)
+
+
+def test_ddp_on_one_rank_trains_as_the_plain_loop_and_refuses_a_group_of_its_own():
+    ref = _reference(4)
+    losses = toy_train(Elastic(master_store(), 0, [0], timeout_s=5), 4, None, *NO_FAULTS, "sum")
+    assert _max_rel(losses, ref) <= 1e-6
+    ctx = Elastic(master_store(), 0, [0], timeout_s=5)
+    with pytest.raises(ValueError, match=r"\['process_group'\] cannot be given"):
+        ctx.ddp(nn.Linear(2, 2), process_group=None)
