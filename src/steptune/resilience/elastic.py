@@ -47,6 +47,7 @@ then rejoins.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import gc
@@ -70,6 +71,9 @@ from steptune.resilience.failstop import run_failstop
 from steptune.resilience.recovery import NotListed, Snapshots, rejoin
 
 __all__ = ["Elastic", "PeerLost", "launch", "lost_reason", "toy_train"]
+
+
+_DRAIN_S = 0.05  # GIL released before a lost group is freed: its worker threads' last step needs it
 
 
 class PeerLost(RuntimeError):
@@ -98,6 +102,8 @@ class Elastic:
         self._synced = False  # ctx.sync ran in this attempt
         self._comm_failed = False  # a ctx.ddp all-reduce failed in this attempt
         self._ddps: list[weakref.ref[Any]] = []
+        self._works: list[Any] = []  # ctx.ddp's all-reduces in this attempt (waited for before freeing)
+        self._broken: list[Any] = []  # a lost group and its DDPs, freed by _recover once its threads are idle
         self._group: Any = None
         if not _all_started(store, orig, self.members):  # a peer died at start-up: rejoin right away
             self._failed = True
@@ -190,6 +196,7 @@ class Elastic:
             self._recover()
         self._snapshots.take(self.step)
         self._synced = self._comm_failed = False
+        self._works.clear()  # the last attempt's all-reduces, all complete (it succeeded)
         try:
             yield
         except PeerLost:
@@ -202,15 +209,32 @@ class Elastic:
             self.step += 1
 
     def _lose_group(self) -> None:
-        # Drop the broken group here; recovery waits for the next attempt, outside this exception,
-        # whose traceback can hold frames that reach the group (its sockets close once it is freed).
+        # The broken group (and the DDPs on it) is kept in _broken, not freed here: recovery waits for the
+        # next attempt, outside this exception, whose traceback can hold frames that reach the group.
         for ref in self._ddps:
             wrapper = ref()
             if wrapper is not None:
-                wrapper.drop()
+                self._broken.append(wrapper.drop())
         abort_group(self._group)
+        self._broken.append(self._group)
         self._group = None
         self._failed = True
+
+    def _free_broken(self) -> None:
+        # ProcessGroupGloo's destructor joins its worker threads while this thread holds the GIL, and a
+        # worker that lets go of a finished collective's tensors takes the GIL (torch 2.13 decrefs a
+        # tensor's Python object when its C++ count falls to one): freeing a group just after one of its
+        # collectives failed deadlocked (1 run in 6 with ctx.ddp, whose forward broadcast ends in C++).
+        # So the ddp all-reduces still in flight are waited for (GIL released), then a pause lets the
+        # workers finish, and only then is the group freed (its sockets close, peers blocked on it fail).
+        gc.collect()  # cycles through the failed attempt's frames: the last references are then _broken's
+        for work in self._works:
+            with contextlib.suppress(RuntimeError):  # failed, as a broken group's work does: done either way
+                work.wait()
+        self._works.clear()
+        time.sleep(_DRAIN_S)
+        self._broken.clear()
+        gc.collect()
 
     def _fenced(self) -> bool:
         if self._fence is None or time.monotonic() - self._fence_read < 1.0:
@@ -219,7 +243,7 @@ class Elastic:
         return bool(self._store.check([self._fence]))
 
     def _recover(self) -> None:
-        gc.collect()
+        self._free_broken()
         assert self._snapshots is not None
         self._snapshots.zero_grad()  # the abandoned step's partial gradients
         joined = rejoin(

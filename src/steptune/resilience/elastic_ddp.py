@@ -50,10 +50,12 @@ def _allreduce(state: _HookState, bucket):  # type: ignore[no-untyped-def]
     ``bucket`` and the result: DDP compares them with its classes, and this module's are strings."""
     ctx, world = state.ctx, state.ctx.world
     try:
-        fut = ctx._group.allreduce([bucket.buffer()]).get_future()
+        work = ctx._group.allreduce([bucket.buffer()])
     except RuntimeError:
         ctx._comm_failed = True
         raise
+    ctx._works.append(work)  # waited for before a lost group is freed (Elastic._free_broken)
+    fut = work.get_future()
 
     def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         try:
@@ -123,7 +125,10 @@ class ElasticDDP(nn.Module):
         """DDP's ``no_sync`` (gradient accumulation without an all-reduce)."""
         return self._current().no_sync()
 
-    def drop(self) -> None:
-        """Forget the DDP of a broken group (``attempt`` calls it when a peer dies)."""
+    def drop(self) -> DistributedDataParallel | None:
+        """Forget the DDP of a broken group (``attempt`` calls it when a peer dies); returns it, for the
+        caller to free once the group's threads are idle (``Elastic._free_broken``)."""
+        ddp = self._ddp
         object.__setattr__(self, "_ddp", None)
         self._built_for = None
+        return ddp
