@@ -224,7 +224,7 @@ class Elastic:
         # ProcessGroupGloo's destructor joins its worker threads while this thread holds the GIL, and a
         # worker that lets go of a finished collective's tensors takes the GIL (torch 2.13 decrefs a
         # tensor's Python object when its C++ count falls to one): freeing a group just after one of its
-        # collectives failed deadlocked (1 run in 6 with ctx.ddp, whose forward broadcast ends in C++).
+        # collectives failed deadlocked (ctx.ddp, whose forward broadcast ends in C++: 5 of 30 reproductions).
         # So the ddp all-reduces still in flight are waited for (GIL released), then a pause lets the
         # workers finish, and only then is the group freed (its sockets close, peers blocked on it fail).
         gc.collect()  # cycles through the failed attempt's frames: the last references are then _broken's
