@@ -11,11 +11,14 @@ closed" within milliseconds instead of waiting for the timeout.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import os
 import queue
 import threading
-from collections.abc import Callable, Container, Sequence
+import time
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,8 +29,10 @@ _c10d: Any = dist
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "DRAIN_S",
     "LOOPBACK",
     "DeadlineStore",
+    "LostGroups",
     "StoreUnanswered",
     "abort_group",
     "allreduce_grads",
@@ -209,6 +214,51 @@ def abort_group(group: Any) -> None:
             except Exception:  # already closed, or a backend without the method body
                 continue
             return
+
+
+DRAIN_S = 0.05
+"""How long ``LostGroups.free`` releases the GIL before the free: a gloo worker's last step needs it."""
+
+
+class LostGroups:
+    """Groups lost to a failed collective, and what holds them (a DDP, a wrapper), kept until their worker
+    threads are idle, then freed.
+
+    ``ProcessGroupGloo``'s destructor joins its worker threads while the freeing thread holds the GIL, and
+    a worker that lets go of a finished collective's tensors takes the GIL (torch 2.13 decrefs a tensor's
+    Python object when its C++ count falls to one). Freeing a group just after one of its collectives
+    failed can therefore deadlock the two threads for good (a CI hang of a ctx.ddp death test: 5 of 30
+    reproductions with random delays; 0 of 40 once freed this way, docs/resilience.md). ``add`` aborts a
+    group and keeps it; ``free`` collects cycles (the failed step's frames), waits for the works still in
+    flight (``Work.wait`` releases the GIL), releases the GIL for ``DRAIN_S``, and only then drops the
+    group, whose sockets close so that peers blocked on it fail. Call ``free`` outside the ``except``
+    block that caught the failure: that block's traceback holds the failed step's frames, and with them
+    the group."""
+
+    def __init__(self) -> None:
+        self._held: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, group: Any, *holders: Any) -> None:
+        """Abort ``group`` (if not None) and keep it, and ``holders``, until ``free``."""
+        if group is not None:
+            abort_group(group)
+        self._held.extend(x for x in (group, *holders) if x is not None)
+
+    def free(self, works: Iterable[Any] = ()) -> None:
+        """Wait for ``works`` (their failures ignored), let the worker threads finish, drop what is held."""
+        works = list(works)
+        if not self._held and not works:
+            return
+        gc.collect()
+        for work in works:
+            with contextlib.suppress(RuntimeError):  # failed, as a broken group's work does: done either way
+                work.wait()
+        time.sleep(DRAIN_S)
+        self._held.clear()
+        gc.collect()
 
 
 def env_rank() -> tuple[int, int, int]:

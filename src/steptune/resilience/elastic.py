@@ -47,10 +47,8 @@ then rejoins.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import datetime
-import gc
 import math
 import multiprocessing as mp
 import os
@@ -66,14 +64,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from steptune.core.dist import LOOPBACK, abort_group, connect_store, new_gloo_group, pack_grads, unpack_grads
+from steptune.core.dist import (
+    LOOPBACK,
+    LostGroups,
+    connect_store,
+    new_gloo_group,
+    pack_grads,
+    unpack_grads,
+)
 from steptune.resilience.failstop import run_failstop
 from steptune.resilience.recovery import NotListed, Snapshots, rejoin
 
 __all__ = ["Elastic", "PeerLost", "launch", "lost_reason", "toy_train"]
-
-
-_DRAIN_S = 0.05  # GIL released before a lost group is freed: its worker threads' last step needs it
 
 
 class PeerLost(RuntimeError):
@@ -103,7 +105,7 @@ class Elastic:
         self._comm_failed = False  # a ctx.ddp all-reduce failed in this attempt
         self._ddps: list[weakref.ref[Any]] = []
         self._works: list[Any] = []  # ctx.ddp's all-reduces in this attempt (waited for before freeing)
-        self._broken: list[Any] = []  # a lost group and its DDPs, freed by _recover once its threads are idle
+        self._lost = LostGroups()  # a lost group and its DDPs, freed by _recover once its threads are idle
         self._group: Any = None
         if not _all_started(store, orig, self.members):  # a peer died at start-up: rejoin right away
             self._failed = True
@@ -209,32 +211,12 @@ class Elastic:
             self.step += 1
 
     def _lose_group(self) -> None:
-        # The broken group (and the DDPs on it) is kept in _broken, not freed here: recovery waits for the
+        # The broken group (and the DDPs on it) is kept in _lost, not freed here: recovery frees it in the
         # next attempt, outside this exception, whose traceback can hold frames that reach the group.
-        for ref in self._ddps:
-            wrapper = ref()
-            if wrapper is not None:
-                self._broken.append(wrapper.drop())
-        abort_group(self._group)
-        self._broken.append(self._group)
+        ddps = [wrapper.drop() for wrapper in (ref() for ref in self._ddps) if wrapper is not None]
+        self._lost.add(self._group, *ddps)
         self._group = None
         self._failed = True
-
-    def _free_broken(self) -> None:
-        # ProcessGroupGloo's destructor joins its worker threads while this thread holds the GIL, and a
-        # worker that lets go of a finished collective's tensors takes the GIL (torch 2.13 decrefs a
-        # tensor's Python object when its C++ count falls to one): freeing a group just after one of its
-        # collectives failed deadlocked (ctx.ddp, whose forward broadcast ends in C++: 5 of 30 reproductions).
-        # So the ddp all-reduces still in flight are waited for (GIL released), then a pause lets the
-        # workers finish, and only then is the group freed (its sockets close, peers blocked on it fail).
-        gc.collect()  # cycles through the failed attempt's frames: the last references are then _broken's
-        for work in self._works:
-            with contextlib.suppress(RuntimeError):  # failed, as a broken group's work does: done either way
-                work.wait()
-        self._works.clear()
-        time.sleep(_DRAIN_S)
-        self._broken.clear()
-        gc.collect()
 
     def _fenced(self) -> bool:
         if self._fence is None or time.monotonic() - self._fence_read < 1.0:
@@ -243,7 +225,8 @@ class Elastic:
         return bool(self._store.check([self._fence]))
 
     def _recover(self) -> None:
-        self._free_broken()
+        self._lost.free(self._works)  # ctx.ddp's all-reduces still in flight are waited for first
+        self._works.clear()
         assert self._snapshots is not None
         self._snapshots.zero_grad()  # the abandoned step's partial gradients
         joined = rejoin(

@@ -54,7 +54,7 @@ def _allreduce(state: _HookState, bucket):  # type: ignore[no-untyped-def]
     except RuntimeError:
         ctx._comm_failed = True
         raise
-    ctx._works.append(work)  # waited for before a lost group is freed (Elastic._free_broken)
+    ctx._works.append(work)  # waited for before a lost group is freed (Elastic._recover)
     fut = work.get_future()
 
     def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -127,7 +127,7 @@ class ElasticDDP(nn.Module):
 
     def drop(self) -> DistributedDataParallel | None:
         """Forget the DDP of a broken group (``attempt`` calls it when a peer dies); returns it, for the
-        caller to free once the group's threads are idle (``Elastic._free_broken``)."""
+        caller to free once the group's threads are idle (``LostGroups.free``)."""
         ddp = self._ddp
         object.__setattr__(self, "_ddp", None)
         self._built_for = None

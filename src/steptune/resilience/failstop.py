@@ -23,7 +23,6 @@ the last checkpoint (written every ``checkpoint_every`` steps) and redoes the st
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import multiprocessing as mp
 import os
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steptune.core.dist import abort_group, connect_store, master_store, new_gloo_group
+from steptune.core.dist import LostGroups, connect_store, master_store, new_gloo_group
 from steptune.resilience.live import global_batch, microbatch_loss, proxy_model, stage_model, sum_and_step
 from steptune.resilience.recovery import Recovery, Snapshots, injected
 from steptune.resilience.runtime import lpt_assign
@@ -92,6 +91,7 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
     group = new_gloo_group(store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout)
     snapshots = Snapshots(model, opt)
     recovery = Recovery(store, orig, spec, snapshots, timeout)
+    lost = LostGroups()  # a broken group, freed once its worker threads are idle
     while step < steps:
         snapshots.take(step)
         die = orig == spec.get("kill_rank") and step == spec.get("kill_step") and not spec.get("resume")
@@ -120,9 +120,9 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
         if failed:
             # Survival, outside the except block: the exception's traceback holds the step's frame, which
             # holds the broken group; peers still blocked on it only fail once its sockets close.
-            abort_group(group)
+            lost.add(group)
             group = None
-            gc.collect()
+            lost.free()
             opt.zero_grad()
             joined, step, losses, _ = recovery.rejoin(gen + 1, step, losses)
             members, group, gen = joined.members, joined.group, joined.generation

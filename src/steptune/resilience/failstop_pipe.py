@@ -22,7 +22,6 @@ processes in the same post-failure layout and load the last checkpoint, and redo
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import re
 import signal
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from steptune.core.dist import abort_group, connect_store, new_gloo_group
+from steptune.core.dist import LostGroups, connect_store, new_gloo_group
 from steptune.resilience.failstop import compare_failstop, doomed, run_failstop, split_sync
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model, sum_and_step
 from steptune.resilience.pipelined import _BYTES_PER_PARAM, _layers, _Stage, run_stage
@@ -204,6 +203,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
     real_block_bytes = sum(x.params for x in full.layers) * _BYTES_PER_PARAM / blocks
     snapshots = Snapshots(*layers, opt)
     recovery = Recovery(store, orig, spec, snapshots, timeout)
+    lost = LostGroups()  # a broken group, freed once its worker threads are idle
     while step < steps:
         snapshots.take(step)
         die = doomed(spec, orig, step)
@@ -222,9 +222,9 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
         else:
             failed = False
         while failed:  # outside the except block: its traceback holds the broken group (see failstop)
-            abort_group(group)
+            lost.add(group)
             me.group = group = None
-            gc.collect()
+            lost.free()
             opt.zero_grad()
             joined, step, losses, adopted = recovery.rejoin(gen + 1, step, losses)
             members, group, gen = joined.members, joined.group, joined.generation

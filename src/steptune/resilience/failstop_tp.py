@@ -18,7 +18,6 @@ some unit, the job stops with an error naming the units (a checkpoint would be t
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import signal
 import time
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from steptune.core.dist import abort_group, connect_store, new_gloo_group
+from steptune.core.dist import LostGroups, connect_store, new_gloo_group
 from steptune.pipeline.stages import lm_loss
 from steptune.resilience.failstop import compare_failstop, doomed, split_sync
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model
@@ -112,6 +111,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
     info: dict[str, Any] = {"recoveries": []}
     snapshots = Snapshots(model, opt)
     recovery = Recovery(store, orig, spec, snapshots, timeout)
+    lost = LostGroups()  # a broken group, freed once its worker threads are idle
     while step < steps:
         snapshots.take(step)
         die = doomed(spec, orig, step)
@@ -127,9 +127,9 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
         else:
             failed = False
         while failed:  # outside the except block: its traceback holds the broken group (see failstop)
-            abort_group(group)
+            lost.add(group)
             holder.group = group = None
-            gc.collect()
+            lost.free()
             opt.zero_grad()
             joined, step, losses, adopted = recovery.rejoin(gen + 1, step, losses)
             members_, group, gen = joined.members, joined.group, joined.generation

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import gc
 import json
 import os
 import signal
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from steptune.core.dist import LOOPBACK, abort_group, new_gloo_group
+from steptune.core.dist import LOOPBACK, LostGroups, new_gloo_group
 
 __all__ = [
     "CommitFailed",
@@ -118,13 +117,14 @@ def rejoin(
     if die:  # once the launcher has listed this rank among the survivors: the others must supersede it
         store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
         os.kill(os.getpid(), signal.SIGKILL)
+    lost = LostGroups()
     while True:
         try:
-            members, group, resume, agreed = _join(store, orig, gen, step, epoch, timeout, host)
+            members, group, resume, agreed = _join(store, orig, gen, step, epoch, timeout, host, lost)
             return Rejoined(members, group, resume, gen, agreed)
         except (_Superseded, RuntimeError):  # RuntimeError: a member died after announcing itself
             pass
-        gc.collect()  # outside the except block, whose traceback holds a broken group: its sockets close
+        lost.free()  # outside the except block, whose traceback holds the broken group: its sockets close
         gen += 1
 
 
@@ -230,10 +230,12 @@ class _Superseded(Exception):
 
 
 def _join(
-    store: Any, orig: int, gen: int, step: int, epoch: int, timeout: datetime.timedelta, host: str = LOOPBACK
-) -> tuple[list[int], Any, int, int]:
+    store: Any, orig: int, gen: int, step: int, epoch: int, timeout: datetime.timedelta, host: str,
+    lost: LostGroups,
+) -> tuple[list[int], Any, int, int]:  # fmt: skip
     """One generation's rejoin. Store failures end the recovery (ConnectionError, TimeoutError: no retry
-    can help); a RuntimeError means the new group broke, and the caller tries the next generation."""
+    can help); a RuntimeError means the new group broke (it is left in ``lost``), and the caller tries the
+    next generation."""
     members = _listed(store, orig, gen, step, timeout)
     group = new_gloo_group(
         store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout, host=host
@@ -244,7 +246,7 @@ def _join(
     try:
         group.allreduce([done], opts).wait()
     except RuntimeError:
-        abort_group(group)
+        lost.add(group)
         raise
     return members, group, int(done[0].item()), -int(done[1].item())
 
