@@ -23,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-from steptune.resilience.elastic import Elastic, launch, lost_reason
+from steptune.resilience.elastic import Elastic, launch, lost_reason, recovery_text
 
 
 def train(
@@ -93,8 +93,7 @@ def main() -> None:
     for rank, code in res["lost"].items():
         print(f"rank {rank} lost ({lost_reason(code)})")
     for rec in res["recoveries"][first]:
-        print(f"generation {rec['generation']}: failed in step {rec['failed_at_step']}, resumed at step "
-              f"{rec['resume_step']} with ranks {rec['members']}")  # fmt: skip
+        print(recovery_text(rec))
     losses = res["results"][first]
     worst = max(abs(losses[k] - ref[k]) / abs(ref[k]) for k in ref)
     print(f"survivors {res['survivors']}: {len(losses)} of {args.steps} steps, losses vs the failure-free "

@@ -7,7 +7,7 @@ gloo group among themselves and redo the interrupted step, without a restart.
         torch.manual_seed(0)  # every rank builds the same model
         model = build_model()
         opt = torch.optim.AdamW(model.parameters())
-        ctx.track(model, opt)  # snapshotted at each step's start: the safe point
+        ctx.track(model, opt)  # what a recovery brings back (from a peer that holds it)
         losses = {}
         while ctx.step < steps:
             with ctx.attempt():  # a peer's death: the step is abandoned here and redone
@@ -26,16 +26,20 @@ Contract. ``launch`` keeps the ``TCPStore`` in the calling process, so it outliv
 ranks, sees a death, and lists the survivors (``failstop.run_failstop``). In a rank, a collective that
 fails inside ``attempt`` (gloo raises ``RuntimeError`` within milliseconds of a peer's death) ends that
 attempt; the next ``attempt`` rejoins the survivors (``recovery.rejoin``: a second death while rejoining
-is survived too), and a rank that got one step further than another (that step's all-reduce completed on
-it only) rolls back to its snapshot. ``ctx.rank`` and ``ctx.world`` change then, so take each step's
-share from them (``shard``). Scale each rank's loss by the global batch, not the share: the summed update
+is survived too), and the survivors resume from the highest step any of them holds: one that got a step
+further than another (that step's all-reduce completed on it only) sends its state to those behind
+(``peer_state``; nothing is copied in a failure-free step). ``ctx.rank`` and ``ctx.world`` change then,
+so take each step's share from them (``shard``). Scale each rank's loss by the global batch, not the share: the summed update
 is then the same for any number of ranks, and the loss trajectory matches a failure-free run up to fp32
-summation order. Only what ``track`` was given is rolled back; keep per-step results keyed by
-``ctx.step`` (a redone step overwrites its entry). DP only: every rank holds the whole model; sharded
+summation order. Only what ``track`` was given is restored; keep per-step results keyed by
+``ctx.step`` (a redone step overwrites its entry; a rank brought a step forward does not rerun the step it
+missed, see ``recoveries``). DP only: every rank holds the whole model; sharded
 state (FSDP, TP, PP) needs the copies of ``failstop_pipe`` / ``failstop_tp``. Collectives go through
 ``ctx`` (its own gloo group; there is no default process group): ``ctx.sync``, ``ctx.all_reduce``, or
-torch's DDP over the survivors with ``ctx.ddp(model)`` (``elastic_ddp``). Each attempt deep-copies the
-tracked state and two copies are kept (with AdamW about 6x the parameters' memory). A peer that is only
+torch's DDP over the survivors with ``ctx.ddp(model)`` (``elastic_ddp``). Parameters may change only
+through the tracked optimizers' ``step`` inside an attempt (one that wrote them otherwise is refused at
+recovery, ``StateLost``); ``ctx.track(..., restore="snapshot")`` instead deep-copies the tracked state at
+each attempt and keeps two copies (with AdamW about 6x the parameters' memory), and rolls back. A peer that is only
 slow past ``group_timeout_s`` makes its peers' collective fail, and its own once they drop the group: once
 every live rank has announced itself, the launcher lists them all again and the step is redone by all.
 A death inside the last step's sync can let it complete on some ranks, which return, and fail on others:
@@ -73,9 +77,10 @@ from steptune.core.dist import (
     unpack_grads,
 )
 from steptune.resilience.failstop import run_failstop
+from steptune.resilience.peer_state import EXACT, PeerState, StateLost
 from steptune.resilience.recovery import NotListed, Snapshots, rejoin
 
-__all__ = ["Elastic", "PeerLost", "launch", "lost_reason", "toy_train"]
+__all__ = ["Elastic", "PeerLost", "launch", "lost_reason", "recovery_text", "toy_train"]
 
 
 class PeerLost(RuntimeError):
@@ -99,7 +104,7 @@ class Elastic:
         self.recoveries: list[dict[str, Any]] = []
         self._store = store
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._snapshots: Snapshots | None = None
+        self._state: Snapshots | PeerState | None = None
         self._failed = False
         self._synced = False  # ctx.sync ran in this attempt
         self._comm_failed = False  # a ctx.ddp all-reduce failed in this attempt
@@ -126,10 +131,15 @@ class Elastic:
     def world(self) -> int:
         return len(self.members)
 
-    def track(self, *objs: Any) -> None:
-        """Modules and optimizers (anything with ``state_dict``/``load_state_dict``) to snapshot at each
-        step's start and roll back when this rank got further than a peer."""
-        self._snapshots = Snapshots(*objs)
+    def track(self, *objs: Any, restore: str = "peer") -> None:
+        """Modules, optimizers and anything else with ``state_dict``/``load_state_dict``: the state a
+        recovery brings back. ``restore="peer"``: nothing big is copied per step; after a death the
+        survivors resume from the highest step any of them holds, and those that lack it receive it from
+        one that does (``peer_state``). ``restore="snapshot"``: every step's start is deep-copied (two
+        kept) and restored, which also undoes writes other than optimizer steps (``recovery.Snapshots``)."""
+        if restore not in ("peer", "snapshot"):
+            raise ValueError(f"ctx.track: restore must be 'peer' or 'snapshot', got {restore!r}")
+        self._state = Snapshots(*objs) if restore == "snapshot" else PeerState(*objs)
 
     def shard(self, n: int) -> range:
         """This rank's share of ``n`` global items: every ``world``-th, from ``rank``."""
@@ -185,7 +195,7 @@ class Elastic:
         """One try of step ``self.step``: on success the step advances; a failed collective inside it
         (``PeerLost``) abandons the step (the exception is swallowed) and the next ``attempt`` recovers
         first. Any other exception is yours and propagates."""
-        if self._snapshots is None:
+        if self._state is None:
             raise RuntimeError("call ctx.track(model, optimizer, ...) before the first ctx.attempt()")
         if self._fenced():
             # Its agent may be only stalled (SIGSTOP, swap) and unable to stop it: this rank stops itself,
@@ -196,7 +206,7 @@ class Elastic:
             )
         if self._failed:
             self._recover()
-        self._snapshots.take(self.step)
+        self._state.take(self.step)
         self._synced = self._comm_failed = False
         self._works.clear()  # the last attempt's all-reduces, all complete (it succeeded)
         try:
@@ -227,23 +237,45 @@ class Elastic:
     def _recover(self) -> None:
         self._lost.free(self._works)  # ctx.ddp's all-reduces still in flight are waited for first
         self._works.clear()
-        assert self._snapshots is not None
-        self._snapshots.zero_grad()  # the abandoned step's partial gradients
-        joined = rejoin(
-            self._store, self.orig, self.generation + 1, self.step, self._timeout, host=self._host
-        )
-        self.members, self._group, self.generation = joined.members, joined.group, joined.generation
-        # Back to the safe point, always: the abandoned attempt may have stepped the optimizer already
-        # (a collective after opt.step() failed), and a rank one step ahead goes back one step more.
-        # Unless no attempt ran yet (the first group never formed): the state is the initial one.
-        if self._snapshots.taken:
-            self._snapshots.restore(joined.resume, self.orig)
+        state = self._state
+        assert state is not None
+        standing = state.standing() if isinstance(state, PeerState) and state.taken else (self.step, EXACT)
+        state.zero_grad()  # the abandoned step's partial gradients
+        gen, source = self.generation + 1, None
+        while True:
+            joined = rejoin(self._store, self.orig, gen, self.step, self._timeout, host=self._host)
+            self.members, self._group, self.generation = joined.members, joined.group, joined.generation
+            resume = joined.resume
+            if not isinstance(state, PeerState):
+                # Back to the safe point, always: the abandoned attempt may have stepped the optimizer
+                # already (a collective after opt.step() failed), and a rank one step ahead goes back one
+                # step more. Unless no attempt ran yet (the first group never formed): the state is the
+                # initial one.
+                if state.taken:
+                    state.restore(resume, self.orig)
+                break
+            try:
+                resume, src = state.settle(self._group, self.rank, self.world, standing)
+                source = None if src is None else self.members[src]
+                break
+            except StateLost:
+                raise
+            except RuntimeError:  # a death while the survivors settled: rejoin the next generation
+                self._lost.add(self._group)
+                self._group = None
+            self._lost.free()  # outside the except block, whose traceback holds the broken group
+            gen = self.generation + 1
         self.recoveries.append(
-            {"generation": self.generation, "failed_at_step": self.step, "resume_step": joined.resume,
-             "members": list(self.members)}
+            {"generation": self.generation, "failed_at_step": self.step, "resume_step": resume,
+             "members": list(self.members), "state_from": source}
         )  # fmt: skip
-        self.step = joined.resume
+        self.step = resume
         self._failed = False
+
+    def _rebaseline(self) -> None:
+        """A write that changed no value (ctx.ddp's DDP broadcasting the parameters when it is built)."""
+        if isinstance(self._state, PeerState):
+            self._state.rebaseline()
 
 
 def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) -> None:
@@ -278,6 +310,15 @@ def _all_started(store: Any, orig: int, members: list[int], wait_s: float = 120.
             return False
         time.sleep(0.01)
     return not store.check(["members/1"])  # a rank that died after starting: the others rejoin too
+
+
+def recovery_text(rec: dict[str, Any]) -> str:
+    """Words for one entry of ``Elastic.recoveries``."""
+    text = (
+        f"generation {rec['generation']}: failed in step {rec['failed_at_step']}, resumed at step "
+        f"{rec['resume_step']} with ranks {rec['members']}"
+    )
+    return text if rec.get("state_from") is None else f"{text}, state from rank {rec['state_from']}"
 
 
 def lost_reason(code: int | None) -> str:
@@ -353,7 +394,7 @@ def toy_train(
     seed: int = 0, late_kills: list[list[int]] | None = None, stalls: list[list[float]] | None = None,
     sync_kills: list[list[int]] | None = None, sync_misses: list[list[int]] | None = None,
     agent_kills: list[list[int]] | None = None, ddp: str | None = None,
-    forward_kills: list[list[int]] | None = None,
+    forward_kills: list[list[int]] | None = None, restore: str = "peer",
 ) -> dict[int, float]:  # fmt: skip
     """The loop of the module docstring on a small MLP (the tests' training function): every step a
     global batch of 24 items from ``seed`` and the step, this rank's share of it, AdamW. Fault injection
@@ -371,14 +412,14 @@ def toy_train(
     rank's mean loss (DDP's averaging; 24 items split evenly over 1-4 ranks give the same update). The
     ``kills`` and ``errors`` then strike before the backward, so the peers' backward all-reduce fails. The
     model has a buffer, which DDP broadcasts in each forward; ``forward_kills`` die before the forward, so
-    that broadcast fails on the peers."""
+    that broadcast fails on the peers. ``restore``: ``ctx.track``'s recovery mode."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if ddp:
         model.register_buffer("steps_seen", torch.zeros(1))  # broadcast by DDP in every forward
     net = ctx.ddp(model, average=ddp == "mean") if ddp else model
-    ctx.track(model, opt)
+    ctx.track(model, opt, restore=restore)
     losses: dict[int, float] = {}
     while ctx.step < steps:
         with ctx.attempt():

@@ -41,7 +41,7 @@ def resolve(target: str) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from steptune.resilience.elastic import launch, lost_reason
+    from steptune.resilience.elastic import launch, lost_reason, recovery_text
 
     fn = resolve(args.target)
     fn_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
@@ -66,8 +66,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"rank {rank} lost ({lost_reason(code)})")
     for rank, recs in sorted(res["recoveries"].items()):
         for rec in recs:
-            print(f"rank {rank}: generation {rec['generation']}, failed in step {rec['failed_at_step']}, "
-                  f"resumed at step {rec['resume_step']} with ranks {rec['members']}")  # fmt: skip
+            print(f"rank {rank}: {recovery_text(rec)}")
     print(f"survivors {res['survivors']}; {res['wall_s']:.1f} s")
     if args.json:
         out = {**res, "results": {str(r): v for r, v in res["results"].items()}}

@@ -106,6 +106,7 @@ class ElasticDDP(nn.Module):
                 if "gloo" in str(err):  # its constructor's collectives (a parameter check, a broadcast)
                     ctx._comm_failed = True
                 raise
+            ctx._rebaseline()  # its broadcast of the parameters rewrote them with the values they had
             ddp.register_comm_hook(_HookState(ctx, self._average), _allreduce)
             object.__setattr__(self, "_ddp", ddp)
             self._built_for = key

@@ -44,7 +44,8 @@ def test_survivors_of_a_death_mid_step_continue_and_match_the_failure_free_losse
         assert sorted(res["results"][rank]) == list(range(8)), res
         assert _max_rel(res["results"][rank], ref) <= 1e-5, res
         (rec,) = res["recoveries"][rank]
-        assert rec == {"generation": 1, "failed_at_step": 3, "resume_step": 3, "members": [0, 1, 3]}, rec
+        assert rec == {"generation": 1, "failed_at_step": 3, "resume_step": 3, "members": [0, 1, 3],
+                       "state_from": None}, rec  # fmt: skip
 
 
 def test_two_deaths_in_different_steps_leave_two_survivors_on_the_same_trajectory():
@@ -97,13 +98,37 @@ def test_a_function_that_does_not_pickle_is_refused_and_a_result_that_does_not_p
         launch(vars, 2, timeout_s=60)
 
 
-def test_a_death_after_the_optimizer_step_does_not_apply_the_update_twice():
+@pytest.mark.parametrize("restore", ["peer", "snapshot"])
+def test_a_death_after_the_optimizer_step_does_not_apply_the_update_twice(restore):
     # Found in review: a collective after opt.step() failed on every survivor at the same step, and the
-    # redo stepped again on top (losses 1.2e-1 off); the snapshot is now always restored.
+    # redo stepped again on top (losses 1.2e-1 off). Snapshots restore the step's start; with peer
+    # recovery every survivor stepped once, so step 2 counts as done and rank 0's state is the survivors'.
     ref = _reference(6)
-    res = launch(toy_train, 3, 6, None, None, 0, [[1, 2]])
+    res = launch(functools.partial(toy_train, restore=restore), 3, 6, None, None, 0, [[1, 2]])
     assert res["survivors"] == [0, 2], res
-    assert _max_rel(res["results"][0], ref) <= 1e-5, res
+    for rank in (0, 2):
+        assert _max_rel(res["results"][rank], ref) <= 1e-5, res
+        (rec,) = res["recoveries"][rank]
+        want = (3, 0) if restore == "peer" else (2, None)
+        assert (rec["failed_at_step"], rec["resume_step"], rec["state_from"]) == (2, *want), rec
+
+
+@pytest.mark.parametrize("restore", ["peer", "snapshot"])
+def test_a_rank_a_step_behind_its_peers_after_a_split_sync_catches_up_or_they_roll_back(restore):
+    # Step 2's sync completes on every rank, then rank 1 dies and rank 2 sees it fail: ranks 0 and 3 step
+    # and fail in step 3's sync. Peer recovery resumes at step 3, rank 2 receiving rank 0's state (no
+    # per-step copy anywhere); snapshots roll ranks 0 and 3 back to step 2's start.
+    res = launch(
+        functools.partial(toy_train, restore=restore), 4, 6, None, None, 0, None, None, [[1, 2]], [[2, 2]],
+        group_timeout_s=5.0, timeout_s=90,
+    )  # fmt: skip
+    assert res["survivors"] == [0, 2, 3], res
+    resume, source = (3, 0) if restore == "peer" else (2, None)
+    for rank, failed in ((0, 3), (2, 2), (3, 3)):
+        assert sorted(res["results"][rank]) == list(range(6)), res
+        assert _max_rel(res["results"][rank], _reference(6)) <= 1e-5, res
+        (rec,) = res["recoveries"][rank]
+        assert (rec["failed_at_step"], rec["resume_step"], rec["state_from"]) == (failed, resume, source), rec
 
 
 def test_a_peer_slower_than_the_group_timeout_is_waited_for_and_the_step_redone_by_all():
@@ -115,7 +140,8 @@ def test_a_peer_slower_than_the_group_timeout_is_waited_for_and_the_step_redone_
     assert res["survivors"] == [0, 1, 2], res
     for rank in range(3):
         (rec,) = res["recoveries"][rank]
-        assert rec == {"generation": 1, "failed_at_step": 2, "resume_step": 2, "members": [0, 1, 2]}, rec
+        assert rec == {"generation": 1, "failed_at_step": 2, "resume_step": 2, "members": [0, 1, 2],
+                       "state_from": None}, rec  # fmt: skip
         assert _max_rel(res["results"][rank], _reference(6)) <= 1e-5, res
 
 
@@ -143,7 +169,8 @@ def test_a_death_before_the_first_group_forms_costs_one_group_timeout():
     assert res["wall_s"] < 40, res
     for rank in (0, 2):
         (rec,) = res["infos"][rank]["recoveries"]
-        assert rec == {"generation": 1, "failed_at_step": 0, "resume_step": 0, "members": [0, 2]}, rec
+        assert rec == {"generation": 1, "failed_at_step": 0, "resume_step": 0, "members": [0, 2],
+                       "state_from": None}, rec  # fmt: skip
         assert _max_rel(res["infos"][rank]["result"], _reference(5)) <= 1e-5, res
 
 

@@ -1,0 +1,126 @@
+"""``resilience.peer_state``: where a rank stands after a failed attempt, and how the survivors settle on
+one state without a per-step copy (thread ranks on real gloo groups)."""
+
+import pytest
+import torch
+from torch import nn
+
+from steptune.resilience.peer_state import DIRTY, EXACT, STEPPED, PeerState, StateLost
+from steptune.testing import run_threads
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(60)]
+
+
+def _net(seed=0):
+    # Built before the thread ranks start: torch's global RNG is shared by the threads.
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, sched
+
+
+def _train_step(model, opt, seed=1):
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))
+    model(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _same(a, b):
+    pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    return all(torch.equal(x, y) for x, y in pairs)
+
+
+def test_standing_tells_an_untouched_state_from_a_whole_optimizer_step_and_from_any_other_write():
+    model, opt, sched = _net()
+    state = PeerState(model, opt, sched)
+    state.take(3)
+    model(torch.randn(6, 4)).sum().backward()  # a forward moves BN's statistics, a backward no parameter
+    assert state.standing() == (3, EXACT)
+    opt.step()
+    assert state.standing() == (4, STEPPED)
+    opt.step()  # twice in one attempt: not a step this rank can vouch for
+    assert state.standing() == (3, DIRTY)
+    state.take(3)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # a write of the user's own, not through the optimizer
+    assert state.standing() == (3, DIRTY)
+
+
+def test_restore_start_undoes_the_forwards_buffer_updates_and_the_schedulers_step():
+    model, opt, sched = _net()
+    ref, _, _ = _net()
+    state = PeerState(model, opt, sched)
+    state.take(0)
+    model(torch.randn(6, 4))
+    opt.step()  # no gradients: changes nothing, and keeps the scheduler's order warning away
+    sched.step()
+    assert not torch.equal(model[1].running_mean, ref[1].running_mean)
+    state.restore_start()
+    assert _same(model, ref) and sched.last_epoch == 0
+
+
+def test_settle_brings_a_rank_one_step_behind_to_the_rank_ahead_and_leaves_ranks_there_untouched():
+    ahead, _, _ = _net()
+    o = torch.optim.AdamW(ahead.parameters(), lr=1e-2)
+    _train_step(ahead, o)  # what step 0 gives: the state at the start of step 1
+
+    nets = [_net() for _ in range(3)]
+
+    def rank_fn(rank, group):
+        model, opt, sched = nets[rank]
+        state = PeerState(model, opt, sched)
+        if rank == 0:  # its step-0 all-reduce failed: at the start of step 0
+            state.take(0)
+        else:  # step 0 completed here; step 1 failed before its update
+            _train_step(model, opt)
+            state.take(1)
+        model(torch.ones(6, 4) * rank)  # the abandoned attempt's forward
+        resume, source = state.settle(group, rank, 3, state.standing())
+        return resume, source, model.state_dict(), opt.state_dict()["state"][0]["step"]
+
+    out = run_threads(rank_fn, 3)
+    assert [(r, s) for r, s, _, _ in out] == [(1, 1)] * 3
+    for _, _, sd, step in out:
+        assert all(torch.equal(sd[k], v) for k, v in ahead.state_dict().items())
+        assert float(step) == 1.0  # AdamW's state travelled too
+
+
+def test_settle_prefers_an_exact_rank_over_stepped_ones_and_needs_no_copy_when_all_hold_the_state():
+    nets = [_net() for _ in range(2)]
+
+    def rank_fn(rank, group):
+        model, opt, sched = nets[rank]
+        state = PeerState(model, opt, sched)
+        state.take(0)
+        if rank == 1:
+            _train_step(model, opt)  # stepped, then a later collective failed: holds step 0's end
+        return state.settle(group, rank, 2, state.standing())
+
+    assert run_threads(rank_fn, 2) == [(1, 1), (1, 1)]
+
+    nets = [_net() for _ in range(2)]
+
+    def all_exact(rank, group):
+        model, opt, sched = nets[rank]
+        state = PeerState(model, opt, sched)
+        state.take(5)
+        return state.settle(group, rank, 2, state.standing())
+
+    assert run_threads(all_exact, 2) == [(5, None), (5, None)]
+
+
+def test_no_usable_state_on_any_survivor_is_an_error_that_names_the_snapshot_mode():
+    nets = [_net() for _ in range(2)]
+
+    def rank_fn(rank, group):
+        model, opt, sched = nets[rank]
+        state = PeerState(model, opt, sched)
+        state.take(2)
+        with torch.no_grad():
+            model[0].weight.mul_(2)
+        with pytest.raises(StateLost, match="restore='snapshot'"):
+            state.settle(group, rank, 2, state.standing())
+
+    run_threads(rank_fn, 2)
