@@ -8,9 +8,12 @@ processes; rounds alternate the variants, and each round times ``--steps`` steps
 Variants:
 - ``ddp``: ``DistributedDataParallel`` on a fixed gloo group (the anchor: no elasticity).
 - ``packed``: one packed all-reduce of the gradients on a fixed group (``core.dist.allreduce_grads``).
-- ``ctx.ddp``: the model under ``ctx.ddp`` inside ``ctx.attempt()`` (DDP's hook on the elastic group, and
-  the step's snapshot of model and optimizer).
-- ``ctx.sync``: ``ctx.sync`` inside ``ctx.attempt()`` (the packed all-reduce, and the snapshot).
+- ``ctx.ddp``: the model under ``ctx.ddp`` inside ``ctx.attempt()`` (DDP's hook on the elastic group;
+  ``ctx.track``'s default peer recovery: no per-step copy).
+- ``ctx.sync``: ``ctx.sync`` inside ``ctx.attempt()`` (the packed all-reduce; peer recovery).
+- ``ctx.ddp/snapshot``, ``ctx.sync/snapshot``: the same with ``restore="snapshot"`` (each step deep-copies
+  model and optimizer; two copies kept).
+``held_bytes``: what the recovery state holds after the last step (copies, buffers), per variant.
 The figures are CPU ones: gloo on loopback, ranks sharing the box's cores.
 """
 
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-VARIANTS = ("ddp", "packed", "ctx.ddp", "ctx.sync")
+VARIANTS = ("ddp", "packed", "ctx.ddp", "ctx.sync", "ctx.ddp/snapshot", "ctx.sync/snapshot")
 
 
 def _model(width: int, layers: int) -> nn.Module:
@@ -63,7 +66,10 @@ def bench_rank(ctx: Any, cfg: dict[str, Any]) -> dict[str, list[float]]:
         "packed": models["packed"],
         "ctx.ddp": ctx.ddp(models["ctx.ddp"], average=False),
         "ctx.sync": models["ctx.sync"],
+        "ctx.ddp/snapshot": ctx.ddp(models["ctx.ddp/snapshot"], average=False),
+        "ctx.sync/snapshot": models["ctx.sync/snapshot"],
     }
+    held: dict[str, float] = {}
     step_of = dict.fromkeys(VARIANTS, 0)
 
     def one_step(v: str) -> None:
@@ -73,7 +79,7 @@ def bench_rank(ctx: Any, cfg: dict[str, Any]) -> dict[str, list[float]]:
         loss.backward()
         if v == "packed":
             allreduce_grads(list(models[v].parameters()), fixed)
-        elif v == "ctx.sync":
+        elif v.startswith("ctx.sync"):
             ctx.sync(models[v], loss)
         if v == "ddp":  # DDP averages: scale back to the sum, as the others have it
             for p in models[v].parameters():
@@ -84,10 +90,11 @@ def bench_rank(ctx: Any, cfg: dict[str, Any]) -> dict[str, list[float]]:
 
     def run(v: str, steps: int) -> None:
         if v.startswith("ctx."):
-            ctx.track(models[v], opts[v])
+            ctx.track(models[v], opts[v], restore="snapshot" if v.endswith("/snapshot") else "peer")
             for _ in range(steps):
                 with ctx.attempt():
                     one_step(v)
+            held[v] = _held_bytes(ctx._state)
         else:
             for _ in range(steps):
                 one_step(v)
@@ -105,7 +112,27 @@ def bench_rank(ctx: Any, cfg: dict[str, Any]) -> dict[str, list[float]]:
     pairs = zip(models["ddp"].parameters(), models["ctx.sync"].parameters(), strict=True)
     same = max(float((a - b).detach().abs().max()) for a, b in pairs)  # the same training, both ways
     times["max_param_diff_ddp_vs_ctx.sync"] = [same]
+    times.update({f"held_bytes:{v}": [b] for v, b in held.items()})
     return times
+
+
+def _held_bytes(state: Any) -> float:
+    """Bytes of the tensors a recovery state keeps (``Snapshots``' copies, ``PeerState``'s buffers)."""
+    seen: dict[int, int] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            seen[id(x)] = x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        elif isinstance(x, list | tuple):
+            for y in x:
+                walk(y)
+
+    walk(getattr(state, "_kept", None))  # Snapshots
+    walk(getattr(state, "_start", None))  # PeerState
+    return float(sum(seen.values()))
 
 
 def summarize(results: dict[int, dict[str, list[float]]], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -119,8 +146,9 @@ def summarize(results: dict[int, dict[str, list[float]]], cfg: dict[str, Any]) -
     }
     params = sum(p.numel() for p in _model(cfg["width"], cfg["layers"]).parameters())
     diff = max(res["max_param_diff_ddp_vs_ctx.sync"][0] for res in results.values())
+    held = {v: results[0][f"held_bytes:{v}"][0] for v in VARIANTS if v.startswith("ctx.")}
     return {"config": {**cfg, "params": params}, "step_s": per_round, "median_step_s": med,
-            "ratio_to_ddp": ratios, "max_param_diff_ddp_vs_ctx_sync": diff}  # fmt: skip
+            "ratio_to_ddp": ratios, "max_param_diff_ddp_vs_ctx_sync": diff, "held_bytes": held}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -145,7 +173,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = summarize(res["results"], {**cfg, "ranks": a.ranks})
     print(f"{out['config']['params'] / 1e6:.2f} M params, {a.ranks} ranks, global batch {a.items}")
     for v in VARIANTS:
-        print(f"  {v:9s} {out['median_step_s'][v] * 1e3:8.1f} ms/step  x{out['ratio_to_ddp'][v]:.3f} of ddp")
+        held = f"  holds {out['held_bytes'][v] / 2**20:7.1f} MiB" if v in out["held_bytes"] else ""
+        ms, ratio = out["median_step_s"][v] * 1e3, out["ratio_to_ddp"][v]
+        print(f"  {v:17s} {ms:8.1f} ms/step  x{ratio:.3f} of ddp{held}")
     diff = out["max_param_diff_ddp_vs_ctx_sync"]
     print(f"  max |param| diff, ddp vs ctx.sync after the same steps: {diff:.2e}")
     if a.json:
