@@ -23,29 +23,28 @@ gloo group among themselves and redo the interrupted step, without a restart.
         result = launch(train, 4, 100)  # 4 processes; train(ctx, 100) in each
 
 Contract. ``launch`` keeps the ``TCPStore`` in the calling process, so it outlives any rank; it spawns the
-ranks, sees a death, and lists the survivors (``failstop.run_failstop``). In a rank, a collective that
-fails inside ``attempt`` (gloo raises ``RuntimeError`` within milliseconds of a peer's death) ends that
-attempt; the next ``attempt`` rejoins the survivors (``recovery.rejoin``: a second death while rejoining
-is survived too), and the survivors resume from the highest step any of them holds: one that got a step
-further than another (that step's all-reduce completed on it only) sends its state to those behind
-(``peer_state``; nothing is copied in a failure-free step). ``ctx.rank`` and ``ctx.world`` change then,
-so take each step's share from them (``shard``). Scale each rank's loss by the global batch, not the share: the summed update
-is then the same for any number of ranks, and the loss trajectory matches a failure-free run up to fp32
-summation order. Only what ``track`` was given is restored; keep per-step results keyed by
-``ctx.step`` (a redone step overwrites its entry; a rank brought a step forward does not rerun the step it
-missed, see ``recoveries``). DP only: every rank holds the whole model; sharded
-state (FSDP, TP, PP) needs the copies of ``failstop_pipe`` / ``failstop_tp``. Collectives go through
-``ctx`` (its own gloo group; there is no default process group): ``ctx.sync``, ``ctx.all_reduce``, or
-torch's DDP over the survivors with ``ctx.ddp(model)`` (``elastic_ddp``). Parameters may change only
-through the tracked optimizers' ``step`` inside an attempt (one that wrote them otherwise is refused at
-recovery, ``StateLost``); ``ctx.track(..., restore="snapshot")`` instead deep-copies the tracked state at
-each attempt and keeps two copies (with AdamW about 6x the parameters' memory), and rolls back. A peer that is only
-slow past ``group_timeout_s`` makes its peers' collective fail, and its own once they drop the group: once
-every live rank has announced itself, the launcher lists them all again and the step is redone by all.
-A death inside the last step's sync can let it complete on some ranks, which return, and fail on others:
-the launcher then lists the others alone and they redo that step. A death before the first group forms
-(a bad node at start-up) is survived too: the ranks meet at a store barrier first (spawned ranks start
-seconds apart on a loaded host), which ends when the launcher lists survivors; their first ``attempt``
+ranks, sees a death, and lists the survivors (``failstop.run_failstop``). In a rank, a collective that fails
+inside ``attempt`` (gloo raises ``RuntimeError`` within milliseconds of a peer's death) ends that attempt; the
+next ``attempt`` rejoins the survivors (``recovery.rejoin``: a second death while rejoining is survived too),
+and the survivors resume from the highest step any of them holds: one that got a step further than another
+(that step's all-reduce completed on it only) sends its state to those behind (``peer_state``; nothing is
+copied in a failure-free step). ``ctx.rank`` and ``ctx.world`` change then, so take each step's share from
+them (``shard``). Scale each rank's loss by the global batch, not the share: the summed update is then the
+same for any number of ranks, and the loss trajectory matches a failure-free run up to fp32 summation order.
+Only what ``track`` was given is restored; keep per-step results keyed by ``ctx.step`` (a redone step
+overwrites its entry; a rank brought a step forward does not rerun the step it missed, see ``recoveries``). DP
+only: every rank holds the whole model; sharded state (FSDP, TP, PP) needs the copies of ``failstop_pipe`` /
+``failstop_tp``. Collectives go through ``ctx`` (its own gloo group; there is no default process group):
+``ctx.sync``, ``ctx.all_reduce``, or torch's DDP over the survivors with ``ctx.ddp(model)`` (``elastic_ddp``).
+Parameters may change only through the tracked optimizers' ``step`` inside an attempt (one that wrote them
+otherwise is refused at recovery, ``StateLost``); ``ctx.track(..., restore="snapshot")`` instead deep-copies
+the tracked state at each attempt and keeps two copies (with AdamW about 6x the parameters' memory), and rolls
+back. A peer that is only slow past ``group_timeout_s`` makes its peers' collective fail, and its own once
+they drop the group: once every live rank has announced itself, the launcher lists them all again and the step
+is redone by all. A death inside the last step's sync can let it complete on some ranks, which return, and
+fail on others: the launcher then lists the others alone and they redo that step. A death before the first
+group forms (a bad node at start-up) is survived too: the ranks meet at a store barrier first (spawned ranks
+start seconds apart on a loaded host), which ends when the launcher lists survivors; their first ``attempt``
 then rejoins.
 """
 
@@ -139,6 +138,8 @@ class Elastic:
         kept) and restored, which also undoes writes other than optimizer steps (``recovery.Snapshots``)."""
         if restore not in ("peer", "snapshot"):
             raise ValueError(f"ctx.track: restore must be 'peer' or 'snapshot', got {restore!r}")
+        if isinstance(self._state, PeerState):
+            self._state.close()
         self._state = Snapshots(*objs) if restore == "snapshot" else PeerState(*objs)
 
     def shard(self, n: int) -> range:

@@ -61,6 +61,12 @@ class PeerState:
         ]
         self._start: tuple[int, int, list[list[torch.Tensor]], list[Any]] | None = None
 
+    def close(self) -> None:
+        """Remove the optimizer hooks (``Elastic.track`` called again replaces this state)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
     def _count(self, i: int) -> None:
         self._steps[i] += 1
 

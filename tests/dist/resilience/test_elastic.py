@@ -193,6 +193,18 @@ def test_a_death_before_the_forward_breaks_ddps_buffer_broadcast_and_is_survived
     assert [r["members"] for r in res["recoveries"][0]] == [[0, 2]], res
 
 
+def test_deaths_in_the_steps_that_build_ddp_are_survived_from_the_survivors_own_state():
+    # ctx.ddp builds DDP at the first forward of each generation, and DDP's constructor broadcasts the
+    # parameters in place: a write that changes no value. Deaths in step 0 (DDP built in that attempt)
+    # and in step 2 (rebuilt after the first recovery) leave the survivors exact, with no copy needed.
+    ref = _reference(4)
+    res = launch(toy_train, 4, 4, [[3, 0], [1, 2]], *NO_FAULTS, "sum", timeout_s=180)
+    assert res["survivors"] == [0, 2], res
+    assert _max_rel(res["results"][0], ref) <= 1e-5, res
+    recs = [(r["failed_at_step"], r["resume_step"], r["state_from"]) for r in res["recoveries"][0]]
+    assert recs == [(0, 0, None), (2, 2, None)], res
+
+
 def test_an_error_of_the_users_code_under_ddp_still_stops_the_job():
     # A RuntimeError with no failed all-reduce behind it is not a death: the job stops with it.
     with pytest.raises(RuntimeError, match=r"rank 1 raised(.|\n)*injected: a bug in rank 1's step 2"):

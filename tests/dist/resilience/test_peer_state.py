@@ -46,6 +46,10 @@ def test_standing_tells_an_untouched_state_from_a_whole_optimizer_step_and_from_
     with torch.no_grad():
         model[0].weight.add_(1.0)  # a write of the user's own, not through the optimizer
     assert state.standing() == (3, DIRTY)
+    state.close()  # a state replaced by another track(): its hooks are gone
+    state.take(3)
+    opt.step()
+    assert state.standing() == (3, DIRTY)  # seen as a write, no longer as a step
 
 
 def test_restore_start_undoes_the_forwards_buffer_updates_and_the_schedulers_step():
