@@ -36,16 +36,16 @@ overwrites its entry; a rank brought a step forward does not rerun the step it m
 only: every rank holds the whole model; sharded state (FSDP, TP, PP) needs the copies of ``failstop_pipe`` /
 ``failstop_tp``. Collectives go through ``ctx`` (its own gloo group; there is no default process group):
 ``ctx.sync``, ``ctx.all_reduce``, or torch's DDP over the survivors with ``ctx.ddp(model)`` (``elastic_ddp``).
-Parameters may change only through the tracked optimizers' ``step`` inside an attempt (one that wrote them
-otherwise is refused at recovery, ``StateLost``); ``ctx.track(..., restore="snapshot")`` instead deep-copies
-the tracked state at each attempt and keeps two copies (with AdamW about 6x the parameters' memory), and rolls
-back. A peer that is only slow past ``group_timeout_s`` makes its peers' collective fail, and its own once
-they drop the group: once every live rank has announced itself, the launcher lists them all again and the step
-is redone by all. A death inside the last step's sync can let it complete on some ranks, which return, and
-fail on others: the launcher then lists the others alone and they redo that step. A death before the first
-group forms (a bad node at start-up) is survived too: the ranks meet at a store barrier first (spawned ranks
-start seconds apart on a loaded host), which ends when the launcher lists survivors; their first ``attempt``
-then rejoins.
+Parameters should change only through the tracked optimizers' ``step`` inside an attempt (a rank that wrote
+them otherwise takes a peer's state, and if every survivor did, recovery stops with ``StateLost``);
+``ctx.track(..., restore="snapshot")`` instead deep-copies the tracked state at each attempt and keeps two
+copies (with AdamW about 6x the parameters' memory), and rolls back. A peer that is only slow past
+``group_timeout_s`` makes its peers' collective fail, and its own once they drop the group: once every live
+rank has announced itself, the launcher lists them all again and the step is redone by all. A death inside the
+last step's sync can let it complete on some ranks, which return, and fail on others: the launcher then lists
+the others alone and they redo that step. A death before the first group forms (a bad node at start-up) is
+survived too: the ranks meet at a store barrier first (spawned ranks start seconds apart on a loaded host),
+which ends when the launcher lists survivors; their first ``attempt`` then rejoins.
 """
 
 from __future__ import annotations
