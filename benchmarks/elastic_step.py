@@ -88,27 +88,33 @@ def bench_rank(ctx: Any, cfg: dict[str, Any]) -> dict[str, list[float]]:
         opts[v].zero_grad()
         step_of[v] += 1
 
-    def run(v: str, steps: int) -> None:
+    def track(v: str) -> None:  # outside the timed region: once per variant and round
         if v.startswith("ctx."):
             ctx.track(models[v], opts[v], restore="snapshot" if v.endswith("/snapshot") else "peer")
+
+    def run(v: str, steps: int) -> None:
+        if v.startswith("ctx."):
             for _ in range(steps):
                 with ctx.attempt():
                     one_step(v)
-            held[v] = _held_bytes(ctx._state)
         else:
             for _ in range(steps):
                 one_step(v)
 
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for v in VARIANTS:
+        track(v)
         run(v, 1)  # warm-up: DDP's first-iteration work, allocator, gloo's first messages
     for r in range(cfg["repeats"]):
         order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
         for v in order:
+            track(v)
             ctx.all_reduce(torch.zeros(1))  # the ranks start each variant together
             t0 = time.perf_counter()
             run(v, cfg["steps"])
             times[v].append((time.perf_counter() - t0) / cfg["steps"])
+            if v.startswith("ctx."):
+                held[v] = _held_bytes(ctx._state)
     pairs = zip(models["ddp"].parameters(), models["ctx.sync"].parameters(), strict=True)
     same = max(float((a - b).detach().abs().max()) for a, b in pairs)  # the same training, both ways
     times["max_param_diff_ddp_vs_ctx.sync"] = [same]

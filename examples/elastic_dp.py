@@ -33,7 +33,7 @@ def train(
     torch.manual_seed(0)  # every rank builds the same model
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ctx.track(model, opt)  # snapshotted at every step's start
+    ctx.track(model, opt)  # what a recovery restores (from a peer that holds it)
     # With --ddp: torch's DistributedDataParallel over the survivors, summing (not averaging) gradients
     # in the backward, so the loss below (scaled by the global batch) gives the same update as ctx.sync.
     net = ctx.ddp(model, average=False) if ddp else model

@@ -76,7 +76,7 @@ from steptune.core.dist import (
     unpack_grads,
 )
 from steptune.resilience.failstop import run_failstop
-from steptune.resilience.peer_state import EXACT, PeerState, StateLost
+from steptune.resilience.peer_state import EXACT, PeerState, SettleFailed
 from steptune.resilience.recovery import NotListed, Snapshots, rejoin
 
 __all__ = ["Elastic", "PeerLost", "launch", "lost_reason", "recovery_text", "toy_train"]
@@ -98,13 +98,14 @@ class Elastic:
         self._fence = fence  # a store key set when this rank's host is taken for lost (elastic_nodes)
         self._fence_read = -math.inf  # when it was last read (at most once a second: one store round trip)
         self.members = list(members)  # surviving original ranks, in group-rank order
-        self.step = 0
+        self._step = 0
         self.generation = 0
         self.recoveries: list[dict[str, Any]] = []
         self._store = store
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._state: Snapshots | PeerState | None = None
         self._failed = False
+        self._recovering = False
         self._synced = False  # ctx.sync ran in this attempt
         self._comm_failed = False  # a ctx.ddp all-reduce failed in this attempt
         self._ddps: list[weakref.ref[Any]] = []
@@ -120,6 +121,15 @@ class Elastic:
             )
         except RuntimeError:  # a peer died before the first group formed: the first attempt rejoins
             self._failed = True
+
+    @property
+    def step(self) -> int:
+        """The step to run next. After a failed attempt, reading it first rejoins the survivors (the step
+        they resume from is known only then; it can be one further than the step that failed), so that
+        ``while ctx.step < steps`` stops where it should."""
+        if self._failed and self._state is not None and not self._recovering:
+            self._recover()
+        return self._step
 
     @property
     def rank(self) -> int:
@@ -207,7 +217,7 @@ class Elastic:
             )
         if self._failed:
             self._recover()
-        self._state.take(self.step)
+        self._state.take(self._step)
         self._synced = self._comm_failed = False
         self._works.clear()  # the last attempt's all-reduces, all complete (it succeeded)
         try:
@@ -219,7 +229,7 @@ class Elastic:
                 raise
             self._lose_group()  # a ctx.ddp all-reduce failed: it surfaces from backward as a RuntimeError
         else:
-            self.step += 1
+            self._step += 1
 
     def _lose_group(self) -> None:
         # The broken group (and the DDPs on it) is kept in _lost, not freed here: recovery frees it in the
@@ -236,17 +246,25 @@ class Elastic:
         return bool(self._store.check([self._fence]))
 
     def _recover(self) -> None:
+        self._recovering = True
+        try:
+            self._rejoin_and_settle()
+        finally:
+            self._recovering = False
+
+    def _rejoin_and_settle(self) -> None:
         self._lost.free(self._works)  # ctx.ddp's all-reduces still in flight are waited for first
         self._works.clear()
         state = self._state
         assert state is not None
-        standing = state.standing() if isinstance(state, PeerState) and state.taken else (self.step, EXACT)
+        standing = state.standing() if isinstance(state, PeerState) and state.taken else (self._step, EXACT)
         state.zero_grad()  # the abandoned step's partial gradients
         gen, source = self.generation + 1, None
         while True:
-            joined = rejoin(self._store, self.orig, gen, self.step, self._timeout, host=self._host)
+            joined: Any = rejoin(self._store, self.orig, gen, self._step, self._timeout, host=self._host)
             self.members, self._group, self.generation = joined.members, joined.group, joined.generation
             resume = joined.resume
+            joined = None  # it holds the group: only self._group (or _lost) may, once it breaks
             if not isinstance(state, PeerState):
                 # Back to the safe point, always: the abandoned attempt may have stepped the optimizer
                 # already (a collective after opt.step() failed), and a rank one step ahead goes back one
@@ -259,18 +277,16 @@ class Elastic:
                 resume, src = state.settle(self._group, self.rank, self.world, standing)
                 source = None if src is None else self.members[src]
                 break
-            except StateLost:
-                raise
-            except RuntimeError:  # a death while the survivors settled: rejoin the next generation
+            except SettleFailed:  # a death while the survivors settled: rejoin the next generation
                 self._lost.add(self._group)
                 self._group = None
             self._lost.free()  # outside the except block, whose traceback holds the broken group
             gen = self.generation + 1
         self.recoveries.append(
-            {"generation": self.generation, "failed_at_step": self.step, "resume_step": resume,
+            {"generation": self.generation, "failed_at_step": self._step, "resume_step": resume,
              "members": list(self.members), "state_from": source}
         )  # fmt: skip
-        self.step = resume
+        self._step = resume
         self._failed = False
 
     def _rebaseline(self) -> None:

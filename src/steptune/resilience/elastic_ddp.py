@@ -105,6 +105,7 @@ class ElasticDDP(nn.Module):
             except RuntimeError as err:
                 if "gloo" in str(err):  # its constructor's collectives (a parameter check, a broadcast)
                     ctx._comm_failed = True
+                    ctx._rebaseline()  # buckets broadcast before the failure hold the values they had
                 raise
             ctx._rebaseline()  # its broadcast of the parameters rewrote them with the values they had
             ddp.register_comm_hook(_HookState(ctx, self._average), _allreduce)

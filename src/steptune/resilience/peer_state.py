@@ -8,14 +8,21 @@ without bumping their version) and the ``state_dict`` of tracked objects that ar
 optimizers (LR schedulers: small). When an attempt fails, each survivor knows where it stands:
 
 - ``EXACT``: no parameter was written; restoring the buffers (and small objects) gives the step's start.
-- ``STEPPED``: every tracked optimizer stepped once the gradients were summed, and a collective after
-  that failed: its state is the end of the step (what ran after the optimizer step is not rerun).
-- ``DIRTY``: parameters were written otherwise; this rank's state is of no use.
+- ``STEPPED``: every tracked optimizer stepped once (the gradients summed), nothing else wrote the
+  parameters, and a collective after that failed: its state is the end of the step (what ran after the
+  optimizer steps, such as an LR scheduler's step behind that collective, is not rerun).
+- ``DIRTY``: parameters were written otherwise (checked before and after each optimizer step), or only
+  some tracked optimizers stepped; this rank's state is of no use.
+
+Writes through ``.data`` bump no version counter and are not seen: write parameters under
+``torch.no_grad()``.
 
 ``settle`` gathers the survivors' standings in one all-reduce and resumes from the highest step any
 usable survivor holds (a survivor can be one step ahead: that step's all-reduce completed on it and
 failed on another). The source is the lowest such rank, an ``EXACT`` one first; every rank that does not
-already hold that state receives the source's ``state_dict``\\s in one gloo broadcast. A rank brought
+already hold that state receives the source's ``state_dict``\\s, sent to it alone in ``CHUNK_BYTES``
+messages and loaded once all of it arrived (the serialized state and one received copy are the only
+extra memory, during a recovery only). A rank brought
 forward does not rerun the step it missed: its per-step records lack it (``Elastic.recoveries`` says which).
 The snapshot mode (``recovery.Snapshots``: two deep copies kept, with AdamW about 6x the parameters'
 memory, and a copy each step) rolls everyone back instead, which also undoes writes of any kind.
@@ -28,10 +35,9 @@ import io
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DIRTY", "EXACT", "STEPPED", "PeerState", "StateLost"]
+__all__ = ["CHUNK_BYTES", "DIRTY", "EXACT", "STEPPED", "PeerState", "SettleFailed", "StateLost"]
 
 DIRTY, STEPPED, EXACT = 0, 1, 2
 
@@ -56,10 +62,12 @@ class PeerState:
             seen.update((id(p), p) for g in opt.param_groups for p in g["params"])
         self._params = list(seen.values())
         self._steps = [0] * len(self._opts)
-        self._hooks = [
-            opt.register_step_post_hook(lambda *_, i=i: self._count(i)) for i, opt in enumerate(self._opts)
-        ]
-        self._start: tuple[int, int, list[list[torch.Tensor]], list[Any]] | None = None
+        pre = [opt.register_step_pre_hook(lambda *_: self._before_step()) for opt in self._opts]
+        post = [o.register_step_post_hook(lambda *_, i=i: self._stepped(i)) for i, o in enumerate(self._opts)]
+        self._hooks = pre + post
+        self._expect = 0  # the version sum the parameters should have: at the start, or after the last step
+        self._dirty = False  # written outside an optimizer step
+        self._start: tuple[int, list[list[torch.Tensor]], list[Any]] | None = None
 
     def close(self) -> None:
         """Remove the optimizer hooks (``Elastic.track`` called again replaces this state)."""
@@ -67,8 +75,13 @@ class PeerState:
             h.remove()
         self._hooks = []
 
-    def _count(self, i: int) -> None:
+    def _before_step(self) -> None:
+        if self._start is not None and self._versions() != self._expect:
+            self._dirty = True
+
+    def _stepped(self, i: int) -> None:
         self._steps[i] += 1
+        self._expect = self._versions()
 
     def _versions(self) -> int:
         return sum(p._version for p in self._params)
@@ -83,28 +96,30 @@ class PeerState:
         buffers = [[b.detach().clone() for b in m.buffers()] for m in self._modules]
         others = [copy.deepcopy(o.state_dict()) for o in self._others]
         self._steps = [0] * len(self._opts)
-        self._start = (step, self._versions(), buffers, others)
+        self._expect, self._dirty = self._versions(), False
+        self._start = (step, buffers, others)
 
     def rebaseline(self) -> None:
         """Writes that left every value as it was (DDP's broadcast of the parameters when it is built) do
         not make this rank's state unusable."""
-        if self._start is not None:
-            step, _, buffers, others = self._start
-            self._start = (step, self._versions(), buffers, others)
+        self._expect = self._versions()
 
     def standing(self) -> tuple[int, int]:
         """``(step, quality)``: the step whose start (``EXACT``) or end (``STEPPED``, then ``step + 1`` is
-        returned) this rank holds, or its step and ``DIRTY``."""
+        returned) this rank holds, or its step and ``DIRTY``. ``STEPPED`` needs every tracked optimizer
+        to have stepped once and nothing else to have written the parameters, before or after."""
         assert self._start is not None
-        step, versions, _, _ = self._start
-        if any(self._steps):
-            return (step + 1, STEPPED) if all(n == 1 for n in self._steps) else (step, DIRTY)
-        return (step, EXACT) if self._versions() == versions else (step, DIRTY)
+        step = self._start[0]
+        if self._dirty or self._versions() != self._expect:
+            return step, DIRTY
+        if not any(self._steps):
+            return step, EXACT
+        return (step + 1, STEPPED) if all(n == 1 for n in self._steps) else (step, DIRTY)
 
     def restore_start(self) -> None:
         """Buffers and small objects back to the recorded start (parameters were not written)."""
         assert self._start is not None
-        _, _, buffers, others = self._start
+        _, buffers, others = self._start
         with torch.no_grad():
             for m, saved in zip(self._modules, buffers, strict=True):
                 for b, s in zip(m.buffers(), saved, strict=True):
@@ -120,17 +135,19 @@ class PeerState:
     def settle(self, group: Any, rank: int, world: int, standing: tuple[int, int]) -> tuple[int, int | None]:
         """Agree with the survivors (``group``) on the step to resume from and bring this rank's state to
         its start: ``(resume, source group rank or None when nobody needed a copy)``. Raises ``StateLost``
-        when no survivor holds a usable state, ``RuntimeError`` when a collective fails (a death)."""
+        when no survivor holds a usable state, ``SettleFailed`` when a collective fails (a death); an
+        error loading the received state is raised as it is (not a death)."""
         rows = torch.zeros(world, 2, dtype=torch.float64)
         rows[rank] = torch.tensor(standing, dtype=torch.float64)
-        group.allreduce([rows]).wait()
+        _comm(lambda: group.allreduce([rows]).wait())
         stands = [(int(e), int(q)) for e, q in rows.tolist()]
         usable = [(e, q, r) for r, (e, q) in enumerate(stands) if q != DIRTY]
         if not usable:
             raise StateLost(
                 f"no survivor holds a usable state of step {stands[rank][0]}: each wrote its parameters "
-                "(not through one step of every tracked optimizer) before a collective failed; with "
-                "ctx.track(..., restore='snapshot') every step's start is copied and can be restored"
+                "outside an optimizer step, or stepped some of its tracked optimizers but not all, before a "
+                "collective failed; with ctx.track(..., restore='snapshot') every step's start is copied "
+                "and can be restored"
             )
         resume = max(e for e, _, _ in usable)
         best = max(q for e, q, _ in usable if e == resume)
@@ -138,25 +155,51 @@ class PeerState:
         if standing[1] == EXACT and self._start is not None:
             self.restore_start()  # the failed attempt's forward may have moved buffers
         needy = [r for r, s in enumerate(stands) if s != (resume, EXACT) and r != source]
-        if needy:
-            self._broadcast(group, rank, source)
+        if rank == source:
+            self._send(group, needy)
+        elif rank in needy:
+            payload = self._receive(group, source)
+            states = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+            for o, state in zip(self._objs, states, strict=True):
+                o.load_state_dict(state)
         self.take(resume)
         return resume, (source if needy else None)
 
-    def _broadcast(self, group: Any, rank: int, source: int) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = source
-        payload = torch.empty(0, dtype=torch.uint8)
-        if rank == source:
-            buf = io.BytesIO()
-            torch.save([o.state_dict() for o in self._objs], buf)
-            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        group.broadcast([size], opts).wait()
-        if rank != source:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        group.broadcast([payload], opts).wait()
-        if rank != source:  # loaded only once all of it arrived: a death mid-way leaves the state as it was
-            states = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
-            for o, state in zip(self._objs, states, strict=True):
-                o.load_state_dict(state)
+    def _send(self, group: Any, needy: list[int]) -> None:
+        if not needy:
+            return
+        buf = io.BytesIO()
+        torch.save([o.state_dict() for o in self._objs], buf)
+        data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        for dst in needy:  # in chunks: each gloo operation has the group's timeout
+            _comm(lambda dst=dst: group.send([size], dst, 0).wait())
+            for i, off in enumerate(range(0, data.numel(), CHUNK_BYTES)):
+                chunk = data[off : off + CHUNK_BYTES]
+                _comm(lambda dst=dst, chunk=chunk, i=i: group.send([chunk], dst, 1 + i).wait())
+        del data  # the view pins buf's memory
+
+    @staticmethod
+    def _receive(group: Any, source: int) -> memoryview:
+        size = torch.zeros(1, dtype=torch.int64)
+        _comm(lambda: group.recv([size], source, 0).wait())
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        for i, off in enumerate(range(0, data.numel(), CHUNK_BYTES)):
+            chunk = data[off : off + CHUNK_BYTES]
+            _comm(lambda chunk=chunk, i=i: group.recv([chunk], source, 1 + i).wait())
+        return memoryview(data.numpy().data)
+
+
+CHUNK_BYTES = 64 << 20
+"""Bytes per message of a state copy (each gloo operation waits at most the group's timeout)."""
+
+
+class SettleFailed(RuntimeError):
+    """A collective of ``settle`` failed: a survivor died (the caller rejoins the next generation)."""
+
+
+def _comm(op: Any) -> None:
+    try:
+        op()
+    except RuntimeError as err:
+        raise SettleFailed(str(err)) from None  # no chained traceback holding the group's frames

@@ -5,7 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from steptune.resilience.peer_state import DIRTY, EXACT, STEPPED, PeerState, StateLost
+from steptune.core.dist import abort_group
+from steptune.resilience import peer_state
+from steptune.resilience.peer_state import DIRTY, EXACT, STEPPED, PeerState, SettleFailed, StateLost
 from steptune.testing import run_threads
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(60)]
@@ -46,6 +48,23 @@ def test_standing_tells_an_untouched_state_from_a_whole_optimizer_step_and_from_
     with torch.no_grad():
         model[0].weight.add_(1.0)  # a write of the user's own, not through the optimizer
     assert state.standing() == (3, DIRTY)
+    for write_after in (False, True):  # a write before the step, or after it, is seen around the step
+        state.take(3)
+        with torch.no_grad():
+            if not write_after:
+                model[2].bias.add_(1.0)
+            opt.step()
+            if write_after:
+                model[2].bias.add_(1.0)
+        assert state.standing() == (3, DIRTY)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)  # two optimizers, only one stepped: half a step
+    both = PeerState(model, opt, other)
+    both.take(3)
+    opt.step()
+    assert both.standing() == (3, DIRTY)
+    other.step()
+    assert both.standing() == (4, STEPPED)
+    both.close()
     state.close()  # a state replaced by another track(): its hooks are gone
     state.take(3)
     opt.step()
@@ -65,7 +84,8 @@ def test_restore_start_undoes_the_forwards_buffer_updates_and_the_schedulers_ste
     assert _same(model, ref) and sched.last_epoch == 0
 
 
-def test_settle_brings_a_rank_one_step_behind_to_the_rank_ahead_and_leaves_ranks_there_untouched():
+def test_settle_brings_a_rank_one_step_behind_to_the_rank_ahead_and_leaves_ranks_there_untouched(monkeypatch):
+    monkeypatch.setattr(peer_state, "CHUNK_BYTES", 1000)  # the state travels in several messages
     ahead, _, _ = _net()
     o = torch.optim.AdamW(ahead.parameters(), lr=1e-2)
     _train_step(ahead, o)  # what step 0 gives: the state at the start of step 1
@@ -128,3 +148,22 @@ def test_no_usable_state_on_any_survivor_is_an_error_that_names_the_snapshot_mod
             state.settle(group, rank, 2, state.standing())
 
     run_threads(rank_fn, 2)
+
+
+def test_a_death_while_settling_is_a_settle_failure_for_the_caller_to_rejoin_from():
+    # Not a bare RuntimeError: Elastic rejoins the next generation on SettleFailed only, so an error in
+    # loading a received state (a bug) is not taken for a death.
+    nets = [_net() for _ in range(2)]
+
+    def rank_fn(rank, group):
+        model, opt, sched = nets[rank]
+        state = PeerState(model, opt, sched)
+        state.take(0)
+        if rank == 1:
+            abort_group(group)  # as a dead peer's sockets close
+            return None
+        with pytest.raises(SettleFailed):
+            state.settle(group, rank, 2, state.standing())
+        return state.standing()  # unchanged: the next generation settles from the same standing
+
+    assert run_threads(rank_fn, 2, group_timeout=2)[0] == (0, EXACT)
