@@ -2,10 +2,11 @@
 the step to resume from from a survivor that holds it (``Elastic.track``'s default, ``restore="peer"``).
 
 Contract. ``PeerState`` copies nothing big at a step's start. It keeps the sum of the parameters' version
-counters (any in-place write bumps one), counts each tracked optimizer's ``step`` calls (a post hook),
-and clones only the modules' buffers (batch norm updates its running statistics inside its kernel
-without bumping their version) and the ``state_dict`` of tracked objects that are neither modules nor
-optimizers (LR schedulers: small). When an attempt fails, each survivor knows where it stands:
+counters (an in-place write bumps one), counts each tracked optimizer's ``step`` calls (pre and post hooks,
+which also check the version sum), and clones only the modules' buffers (batch norm updates its running
+statistics inside its kernel without bumping their version) and the ``state_dict`` of tracked objects that are
+neither modules nor optimizers (LR schedulers: small). When an attempt fails, each survivor knows where it
+stands:
 
 - ``EXACT``: no parameter was written; restoring the buffers (and small objects) gives the step's start.
 - ``STEPPED``: every tracked optimizer stepped once (the gradients summed), nothing else wrote the
@@ -17,15 +18,15 @@ optimizers (LR schedulers: small). When an attempt fails, each survivor knows wh
 Writes through ``.data`` bump no version counter and are not seen: write parameters under
 ``torch.no_grad()``.
 
-``settle`` gathers the survivors' standings in one all-reduce and resumes from the highest step any
-usable survivor holds (a survivor can be one step ahead: that step's all-reduce completed on it and
-failed on another). The source is the lowest such rank, an ``EXACT`` one first; every rank that does not
-already hold that state receives the source's ``state_dict``\\s, sent to it alone in ``CHUNK_BYTES``
-messages and loaded once all of it arrived (the serialized state and one received copy are the only
-extra memory, during a recovery only). A rank brought
-forward does not rerun the step it missed: its per-step records lack it (``Elastic.recoveries`` says which).
-The snapshot mode (``recovery.Snapshots``: two deep copies kept, with AdamW about 6x the parameters'
-memory, and a copy each step) rolls everyone back instead, which also undoes writes of any kind.
+``settle`` gathers the survivors' standings in one all-reduce and resumes from the highest step any usable
+survivor holds (a survivor can be one step ahead: that step's all-reduce completed on it and failed on
+another). The source is the lowest such rank, an ``EXACT`` one first; every rank that does not already hold
+that state receives the source's ``state_dict``\\s, sent to it alone in ``CHUNK_BYTES`` messages and loaded
+once all of it arrived (the serialized state and one received copy are the only extra memory, during a
+recovery only). A rank brought forward does not rerun the step it missed: its per-step records lack it
+(``Elastic.recoveries`` says which). The snapshot mode (``recovery.Snapshots``: two deep copies kept, with
+AdamW about 6x the parameters' memory, and a copy each step) rolls everyone back instead, which also undoes
+writes of any kind.
 """
 
 from __future__ import annotations
