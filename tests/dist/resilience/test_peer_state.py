@@ -111,43 +111,40 @@ def test_settle_brings_a_rank_one_step_behind_to_the_rank_ahead_and_leaves_ranks
         assert float(step) == 1.0  # AdamW's state travelled too
 
 
-def test_settle_prefers_an_exact_rank_over_stepped_ones_and_needs_no_copy_when_all_hold_the_state():
-    nets = [_net() for _ in range(2)]
+def _settle_on_ranks(world, prepare):
+    """Each of ``world`` thread ranks takes step 0's start on its own copy of the net, runs
+    ``prepare(rank, model, opt, state)``, then settles: the results, or the ``StateLost`` raised."""
+    nets = [_net() for _ in range(world)]
 
     def rank_fn(rank, group):
         model, opt, sched = nets[rank]
         state = PeerState(model, opt, sched)
         state.take(0)
+        prepare(rank, model, opt, state)
+        try:
+            return state.settle(group, rank, world, state.standing())
+        except StateLost as err:
+            return err
+
+    return run_threads(rank_fn, world)
+
+
+def test_settle_prefers_an_exact_rank_over_stepped_ones_and_needs_no_copy_when_all_hold_the_state():
+    def one_stepped(rank, model, opt, state):
         if rank == 1:
             _train_step(model, opt)  # stepped, then a later collective failed: holds step 0's end
-        return state.settle(group, rank, 2, state.standing())
 
-    assert run_threads(rank_fn, 2) == [(1, 1), (1, 1)]
-
-    nets = [_net() for _ in range(2)]
-
-    def all_exact(rank, group):
-        model, opt, sched = nets[rank]
-        state = PeerState(model, opt, sched)
-        state.take(5)
-        return state.settle(group, rank, 2, state.standing())
-
-    assert run_threads(all_exact, 2) == [(5, None), (5, None)]
+    assert _settle_on_ranks(2, one_stepped) == [(1, 1), (1, 1)]
+    assert _settle_on_ranks(2, lambda *_: None) == [(0, None), (0, None)]
 
 
 def test_no_usable_state_on_any_survivor_is_an_error_that_names_the_snapshot_mode():
-    nets = [_net() for _ in range(2)]
-
-    def rank_fn(rank, group):
-        model, opt, sched = nets[rank]
-        state = PeerState(model, opt, sched)
-        state.take(2)
+    def written(rank, model, opt, state):
         with torch.no_grad():
             model[0].weight.mul_(2)
-        with pytest.raises(StateLost, match="restore='snapshot'"):
-            state.settle(group, rank, 2, state.standing())
 
-    run_threads(rank_fn, 2)
+    for err in _settle_on_ranks(2, written):
+        assert isinstance(err, StateLost) and "restore='snapshot'" in str(err)
 
 
 def test_a_death_while_settling_is_a_settle_failure_for_the_caller_to_rejoin_from():
