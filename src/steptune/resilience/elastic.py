@@ -204,8 +204,8 @@ class Elastic:
     @contextmanager
     def attempt(self) -> Iterator[None]:
         """One try of step ``self.step``: on success the step advances; a failed collective inside it
-        (``PeerLost``) abandons the step (the exception is swallowed) and the next ``attempt`` recovers
-        first. Any other exception is yours and propagates."""
+        (``PeerLost``) abandons the step (the exception is swallowed), and the next read of ``ctx.step``
+        or the next ``attempt`` recovers first. Any other exception is yours and propagates."""
         if self._state is None:
             raise RuntimeError("call ctx.track(model, optimizer, ...) before the first ctx.attempt()")
         if self._fenced():
