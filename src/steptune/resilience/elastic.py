@@ -253,6 +253,7 @@ class Elastic:
             self._recovering = False
 
     def _rejoin_and_settle(self) -> None:
+        t0 = time.perf_counter()
         self._lost.free(self._works)  # ctx.ddp's all-reduces still in flight are waited for first
         self._works.clear()
         state = self._state
@@ -284,7 +285,8 @@ class Elastic:
             gen = self.generation + 1
         self.recoveries.append(
             {"generation": self.generation, "failed_at_step": self._step, "resume_step": resume,
-             "members": list(self.members), "state_from": source}
+             "members": list(self.members), "state_from": source,
+             "seconds": round(time.perf_counter() - t0, 4)}
         )  # fmt: skip
         self._step = resume
         self._failed = False
@@ -335,7 +337,9 @@ def recovery_text(rec: dict[str, Any]) -> str:
         f"generation {rec['generation']}: failed in step {rec['failed_at_step']}, resumed at step "
         f"{rec['resume_step']} with ranks {rec['members']}"
     )
-    return text if rec.get("state_from") is None else f"{text}, state from rank {rec['state_from']}"
+    if rec.get("state_from") is not None:
+        text += f", state from rank {rec['state_from']}"
+    return text if rec.get("seconds") is None else f"{text}, in {rec['seconds']:.2f} s"
 
 
 def lost_reason(code: int | None) -> str:

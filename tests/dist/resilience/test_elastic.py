@@ -20,6 +20,11 @@ from steptune.resilience.failstop import run_failstop
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
 
+def _no_time(rec):
+    assert rec["seconds"] > 0, rec  # how long the recovery took
+    return {k: v for k, v in rec.items() if k != "seconds"}
+
+
 def _max_rel(losses, ref):
     return max(abs(losses[k] - ref[k]) / abs(ref[k]) for k in ref)
 
@@ -44,7 +49,7 @@ def test_survivors_of_a_death_mid_step_continue_and_match_the_failure_free_losse
         assert sorted(res["results"][rank]) == list(range(8)), res
         assert _max_rel(res["results"][rank], ref) <= 1e-5, res
         (rec,) = res["recoveries"][rank]
-        assert rec == {"generation": 1, "failed_at_step": 3, "resume_step": 3, "members": [0, 1, 3],
+        assert _no_time(rec) == {"generation": 1, "failed_at_step": 3, "resume_step": 3, "members": [0, 1, 3],
                        "state_from": None}, rec  # fmt: skip
 
 
@@ -142,7 +147,7 @@ def test_a_peer_slower_than_the_group_timeout_is_waited_for_and_the_step_redone_
     assert res["survivors"] == [0, 1, 2], res
     for rank in range(3):
         (rec,) = res["recoveries"][rank]
-        assert rec == {"generation": 1, "failed_at_step": 2, "resume_step": 2, "members": [0, 1, 2],
+        assert _no_time(rec) == {"generation": 1, "failed_at_step": 2, "resume_step": 2, "members": [0, 1, 2],
                        "state_from": None}, rec  # fmt: skip
         assert _max_rel(res["results"][rank], _reference(6)) <= 1e-5, res
 
@@ -171,7 +176,7 @@ def test_a_death_before_the_first_group_forms_costs_one_group_timeout():
     assert res["wall_s"] < 40, res
     for rank in (0, 2):
         (rec,) = res["infos"][rank]["recoveries"]
-        assert rec == {"generation": 1, "failed_at_step": 0, "resume_step": 0, "members": [0, 2],
+        assert _no_time(rec) == {"generation": 1, "failed_at_step": 0, "resume_step": 0, "members": [0, 2],
                        "state_from": None}, rec  # fmt: skip
         assert _max_rel(res["infos"][rank]["result"], _reference(5)) <= 1e-5, res
 
