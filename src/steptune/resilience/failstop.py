@@ -126,6 +126,7 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
             opt.zero_grad()
             joined, step, losses, _ = recovery.rejoin(gen + 1, step, losses)
             members, group, gen = joined.members, joined.group, joined.generation
+            del joined  # it holds the group: when that group breaks, only `lost` may keep it (peers wait)
     out.put((orig, {k: losses[k] for k in sorted(losses)}, {"generation": gen}))
 
 

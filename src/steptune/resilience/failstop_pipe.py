@@ -228,6 +228,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
             opt.zero_grad()
             joined, step, losses, adopted = recovery.rejoin(gen + 1, step, losses)
             members, group, gen = joined.members, joined.group, joined.generation
+            del joined  # it holds the group: when that group breaks, only `lost` may keep it (peers wait)
             me.group, me.rank = group, members.index(orig)
             if adopted is not None:  # a peer committed it
                 pipes = adopted

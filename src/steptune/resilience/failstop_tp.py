@@ -133,6 +133,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             opt.zero_grad()
             joined, step, losses, adopted = recovery.rejoin(gen + 1, step, losses)
             members_, group, gen = joined.members, joined.group, joined.generation
+            del joined  # it holds the group: when that group breaks, only `lost` may keep it (peers wait)
             if adopted is not None:  # a peer committed it
                 owners = adopted
                 info["recoveries"].append({"from": "committed by peers", "step": step, "owners": owners})
