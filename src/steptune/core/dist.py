@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import multiprocessing as mp
 import os
 import queue
 import threading
@@ -31,6 +32,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DRAIN_S",
     "LOOPBACK",
+    "START_METHOD_ENV",
     "DeadlineStore",
     "LostGroups",
     "StoreUnanswered",
@@ -47,6 +49,7 @@ __all__ = [
     "print0",
     "recv",
     "send",
+    "start_context",
     "unpack_grads",
 ]
 
@@ -259,6 +262,28 @@ class LostGroups:
         time.sleep(DRAIN_S)
         self._held.clear()
         gc.collect()
+
+
+START_METHOD_ENV = "STEPTUNE_START_METHOD"
+"""Environment variable naming how ranks start when no method is given: ``spawn`` (the default) or
+``forkserver``."""
+
+
+def start_context(method: str | None = None, *, preload: Sequence[str] = ("torch",)) -> Any:
+    """The ``multiprocessing`` context ranks start from: ``method``, else ``$STEPTUNE_START_METHOD``, else
+    ``spawn`` (a fresh interpreter per rank, as torchrun starts them: each imports torch, seconds of CPU).
+    ``forkserver`` forks each rank from a server that imported ``preload`` once (read when the server
+    starts, once per process), so a rank starts in milliseconds; the test suite uses it
+    (``tests/conftest.py``)."""
+    method = method or os.environ.get(START_METHOD_ENV) or "spawn"
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(
+            f"rank start method must be 'spawn' or 'forkserver', got {method!r} "
+            f"(the argument, or ${START_METHOD_ENV})"
+        )
+    if method == "forkserver":
+        mp.set_forkserver_preload(list(preload))
+    return mp.get_context(method)
 
 
 def env_rank() -> tuple[int, int, int]:

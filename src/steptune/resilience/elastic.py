@@ -75,7 +75,7 @@ from steptune.core.dist import (
     pack_grads,
     unpack_grads,
 )
-from steptune.resilience.failstop import run_failstop
+from steptune.resilience.failstop import finish, run_failstop
 from steptune.resilience.peer_state import EXACT, PeerState, SettleFailed
 from steptune.resilience.recovery import NotListed, Snapshots, rejoin
 
@@ -298,7 +298,7 @@ class Elastic:
 
 
 def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) -> None:
-    _die_with_parent()  # a host agent's death takes its ranks along (elastic_nodes)
+    _die_with_parent(spec.get("start_method", "spawn"))  # a host agent's death takes its ranks along
     torch.set_num_threads(int(spec.get("threads", 1)))
     store = connect_store(port, host=spec.get("store_host", LOOPBACK), timeout=datetime.timedelta(seconds=60))
     if orig in spec.get("kills_before_group", []):  # fault injection: a death at start-up (the tests')
@@ -312,9 +312,8 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
         info = {"result": result, "generation": ctx.generation, "recoveries": ctx.recoveries}
         pickle.dumps(info)  # the queue pickles in a thread of its own, whose failure reaches only stderr
     except Exception:  # the user's code: reported, not mistaken for a death the others should survive
-        out.put((orig, {}, {"error": traceback.format_exc()}))
-        return
-    out.put((orig, {}, info))
+        finish(out, (orig, {}, {"error": traceback.format_exc()}))
+    finish(out, (orig, {}, info))
 
 
 def _all_started(store: Any, orig: int, members: list[int], wait_s: float = 120.0) -> bool:
@@ -347,8 +346,9 @@ def lost_reason(code: int | None) -> str:
     return {-signal.SIGKILL: "SIGKILL", None: "its host was lost"}.get(code, f"exit code {code}")
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the one that spawned it dies (prctl PR_SET_PDEATHSIG)."""
+def _die_with_parent(start_method: str = "spawn") -> None:
+    """Linux: SIGKILL this process when the one that spawned it dies (prctl PR_SET_PDEATHSIG). A rank
+    forked by a forkserver has that server for parent, which exits when the launcher does."""
     spawner = mp.parent_process()
     parent = spawner.pid if spawner is not None else os.getppid()  # the spawner's pid, known at spawn
     try:
@@ -356,7 +356,7 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: a dead agent's ranks linger until their peers drop them
         return
-    if os.getppid() != parent:  # the parent died before the prctl
+    if start_method == "spawn" and os.getppid() != parent:  # the parent died before the prctl
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -364,13 +364,15 @@ def launch(
     fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
     group_timeout_s: float = 20.0, threads: int = 1, nnodes: int = 1, node_rank: int = 0,
     master: str | None = None, host: str | None = None, node_timeout_s: float = 5.0,
+    start_method: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes on loopback gloo (``fn`` and ``args`` must
     pickle: a module-level function). Returns ``{"results": {orig rank: fn's return value}, "survivors",
     "lost": {orig rank: exit code}, "recoveries": {orig rank: [...]}, "wall_s"}``. Raises
     ``RuntimeError`` with the traceback when ``fn`` raises on a rank (or returns something that does not
     pickle), ``TimeoutError`` past ``timeout_s`` (default: no limit). ``group_timeout_s``: how long a
-    collective waits for a silent peer.
+    collective waits for a silent peer. ``start_method``: ``spawn`` (default) or ``forkserver``
+    (``core.dist.start_context``; one host only).
 
     Across hosts: call it on each of ``nnodes`` hosts with its ``node_rank`` and the same ``master``
     (``HOST:PORT`` of node 0, or ``file:PATH`` on a shared filesystem), ``host`` this host's address
@@ -399,7 +401,7 @@ def launch(
     if timeout_s is None:
         timeout_s = math.inf
     spec = {"ranks": nprocs, "mode": "survive", "timeout_s": timeout_s, "fn": fn, "args": args,
-            "group_timeout_s": group_timeout_s, "threads": threads}  # fmt: skip
+            "group_timeout_s": group_timeout_s, "threads": threads, "start_method": start_method}  # fmt: skip
     res = run_failstop(spec, _worker)
     return {
         "results": {r: info["result"] for r, info in sorted(res["infos"].items())},

@@ -22,23 +22,25 @@ the last checkpoint (written every ``checkpoint_every`` steps) and redoes the st
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
-from steptune.core.dist import LostGroups, connect_store, master_store, new_gloo_group
+from steptune.core.dist import LostGroups, connect_store, master_store, new_gloo_group, start_context
 from steptune.resilience.live import global_batch, microbatch_loss, proxy_model, stage_model, sum_and_step
 from steptune.resilience.recovery import Recovery, Snapshots, injected
 from steptune.resilience.runtime import lpt_assign
@@ -47,9 +49,26 @@ from steptune.resilience.workload import StageModel
 __all__ = [
     "compare_failstop",
     "doomed",
+    "finish",
     "run_failstop",
     "split_sync",
 ]
+
+
+def finish(out: Any, item: Any) -> NoReturn:
+    """End a rank: put its result on ``out``, run the ``atexit`` handlers, and exit without tearing down
+    the interpreter. At a normal exit, freeing the rank's gloo groups (and a DDP on them) while their
+    threads still run has aborted the process with "Resource deadlock avoided" (a thread joining itself),
+    before the queue's feeder thread had sent the result: the launcher then took a finished rank for a
+    dead one (a CI-like full run, 2026-12-03: 1 of ~60 ``ctx.ddp`` jobs; faulthandler showed the main
+    thread in multiprocessing's exit, joining the feeder)."""
+    out.put(item)
+    out.close()
+    out.join_thread()  # the result is in the pipe
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, seed: int, step: int,
@@ -127,7 +146,7 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
             joined, step, losses, _ = recovery.rejoin(gen + 1, step, losses)
             members, group, gen = joined.members, joined.group, joined.generation
             del joined  # it holds the group: when that group breaks, only `lost` may keep it (peers wait)
-    out.put((orig, {k: losses[k] for k in sorted(losses)}, {"generation": gen}))
+    finish(out, (orig, {k: losses[k] for k in sorted(losses)}, {"generation": gen}))
 
 
 def doomed(spec: dict[str, Any], orig: int, step: int) -> bool:
@@ -255,7 +274,8 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
     """
     worker = worker or _worker
     world = int(spec.get("ranks", 4))
-    ctx = mp.get_context("spawn")
+    ctx = start_context(spec.get("start_method"), preload=["torch", "steptune.resilience.elastic"])
+    spec = {**spec, "start_method": ctx.get_start_method()}
     store = master_store()
     out = ctx.Queue()
     procs = _launch(world, spec, ctx, store, out, list(range(world)), worker)
@@ -296,8 +316,8 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
                     procs[r].join(5)
                 restarts += 1
                 members = sorted(alive)
-                spec = {**spec, "resume": True, "gen": 100 + restarts}
-                procs.update(_launch(world, spec, ctx, store, out, members, worker))
+                spec = {**spec, "resume": True, "gen": 100 + restarts, "start_method": "spawn"}
+                procs.update(_launch(world, spec, mp.get_context("spawn"), store, out, members, worker))
                 for r in members:
                     procs[r].start()
     except BaseException:  # a stopped job (a rank's error, the coordinator's verdict, Ctrl-C): no rank left

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from steptune.core.dist import LostGroups, connect_store, new_gloo_group
-from steptune.resilience.failstop import compare_failstop, doomed, run_failstop, split_sync
+from steptune.resilience.failstop import compare_failstop, doomed, finish, run_failstop, split_sync
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model, sum_and_step
 from steptune.resilience.pipelined import _BYTES_PER_PARAM, _layers, _Stage, run_stage
 from steptune.resilience.planners import plan_dp
@@ -261,7 +261,7 @@ def _pipe_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: An
             )  # fmt: skip
             snapshots.clear()
             failed = False
-    out.put((orig, {k: losses[k] for k in sorted(losses)}, {**info, "pipes": pipes}))
+    finish(out, (orig, {k: losses[k] for k in sorted(losses)}, {**info, "pipes": pipes}))
 
 
 @contextmanager

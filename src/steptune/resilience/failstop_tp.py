@@ -28,7 +28,7 @@ import torch
 
 from steptune.core.dist import LostGroups, connect_store, new_gloo_group
 from steptune.pipeline.stages import lm_loss
-from steptune.resilience.failstop import compare_failstop, doomed, split_sync
+from steptune.resilience.failstop import compare_failstop, doomed, finish, split_sync
 from steptune.resilience.live import global_batch, link_bandwidth, stage_model
 from steptune.resilience.planners import plan_dp
 from steptune.resilience.recovery import Recovery, Snapshots
@@ -156,7 +156,7 @@ def _tp_worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any)
             )  # fmt: skip
             snapshots.clear()
             failed = False
-    out.put((orig, {k: losses[k] for k in sorted(losses)}, {**info, "owners": owners}))
+    finish(out, (orig, {k: losses[k] for k in sorted(losses)}, {**info, "owners": owners}))
 
 
 def _tp_step(model: TPModel, opt: Any, group: Any, rank: int, owners: Owners, step: int,

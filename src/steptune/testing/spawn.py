@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -20,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from steptune.core.dist import abort_group, connect_store, master_store, new_gloo_group
+from steptune.core.dist import abort_group, connect_store, master_store, new_gloo_group, start_context
 from steptune.testing.threads import RankFailure
 
 __all__ = ["SpawnPool"]
@@ -89,7 +88,7 @@ class SpawnPool:
         self.group_timeout = group_timeout
         self.default_group = default_group
         """Workers call ``init_process_group`` and get ``group.WORLD`` (for torch APIs that need it)."""
-        self._ctx = mp.get_context("spawn")
+        self._ctx = start_context(preload=["torch", "steptune.testing.spawn"])
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
         self._results: Any = None

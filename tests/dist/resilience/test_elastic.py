@@ -54,8 +54,9 @@ def test_survivors_of_a_death_mid_step_continue_and_match_the_failure_free_losse
 
 
 def test_two_deaths_in_different_steps_leave_two_survivors_on_the_same_trajectory():
+    # Started as the library starts ranks by default (the suite forks them from a forkserver: conftest.py).
     ref = _reference(8)
-    res = launch(toy_train, 4, 8, [[1, 2], [3, 5]])
+    res = launch(toy_train, 4, 8, [[1, 2], [3, 5]], start_method="spawn")
     assert res["survivors"] == [0, 2], res
     assert [r["members"] for r in res["recoveries"][0]] == [[0, 2, 3], [0, 2]], res
     assert _max_rel(res["results"][2], ref) <= 1e-5, res
