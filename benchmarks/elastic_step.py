@@ -114,31 +114,12 @@ def bench_rank(ctx: Any, cfg: dict[str, Any]) -> dict[str, list[float]]:
             run(v, cfg["steps"])
             times[v].append((time.perf_counter() - t0) / cfg["steps"])
             if v.startswith("ctx."):
-                held[v] = _held_bytes(ctx._state)
+                held[v] = float(ctx.held_bytes)
     pairs = zip(models["ddp"].parameters(), models["ctx.sync"].parameters(), strict=True)
     same = max(float((a - b).detach().abs().max()) for a, b in pairs)  # the same training, both ways
     times["max_param_diff_ddp_vs_ctx.sync"] = [same]
     times.update({f"held_bytes:{v}": [b] for v, b in held.items()})
     return times
-
-
-def _held_bytes(state: Any) -> float:
-    """Bytes of the tensors a recovery state keeps (``Snapshots``' copies, ``PeerState``'s buffers)."""
-    seen: dict[int, int] = {}
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            seen[id(x)] = x.numel() * x.element_size()
-        elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
-        elif isinstance(x, list | tuple):
-            for y in x:
-                walk(y)
-
-    walk(getattr(state, "_kept", None))  # Snapshots
-    walk(getattr(state, "_start", None))  # PeerState
-    return float(sum(seen.values()))
 
 
 def summarize(results: dict[int, dict[str, list[float]]], cfg: dict[str, Any]) -> dict[str, Any]:

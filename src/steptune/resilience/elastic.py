@@ -152,6 +152,12 @@ class Elastic:
             self._state.close()
         self._state = Snapshots(*objs) if restore == "snapshot" else PeerState(*objs)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of tensors a recovery keeps between steps: with ``restore="snapshot"`` two copies of the
+        tracked state, with ``"peer"`` only the buffers' clones; 0 before ``track``."""
+        return 0 if self._state is None else self._state.held_bytes()
+
     def shard(self, n: int) -> range:
         """This rank's share of ``n`` global items: every ``world``-th, from ``rank``."""
         return range(self.rank, n, self.world)

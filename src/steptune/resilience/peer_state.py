@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from steptune.resilience.recovery import tensor_bytes
+
 __all__ = ["CHUNK_BYTES", "DIRTY", "EXACT", "STEPPED", "PeerState", "SettleFailed", "StateLost"]
 
 DIRTY, STEPPED, EXACT = 0, 1, 2
@@ -99,6 +101,10 @@ class PeerState:
         self._steps = [0] * len(self._opts)
         self._expect, self._dirty = self._versions(), False
         self._start = (step, buffers, others)
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors kept between steps (the buffers' clones, the small objects' state)."""
+        return tensor_bytes(self._start)
 
     def rebaseline(self) -> None:
         """Writes that left every value as it was (DDP's broadcast of the parameters when it is built) do

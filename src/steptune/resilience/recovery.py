@@ -39,6 +39,7 @@ __all__ = [
     "commit",
     "injected",
     "rejoin",
+    "tensor_bytes",
 ]
 
 
@@ -58,6 +59,21 @@ class Rejoined(NamedTuple):
     resume: int  # the step to resume from: the lowest one any survivor was at
     generation: int
     epoch: int  # the highest layout epoch any survivor committed (see ``commit``)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the distinct tensors in ``obj`` and the dicts, lists and tuples inside it."""
+    seen: dict[int, int] = {}
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            seen[id(x)] = x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, list | tuple):
+            todo.extend(x)
+    return sum(seen.values())
 
 
 class Snapshots:
@@ -92,6 +108,10 @@ class Snapshots:
     def clear(self) -> None:
         """After a recovery that moved state (the copies are older than it); the next ``take`` refills."""
         self._kept = {}
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors kept between steps (the copies of the starts kept)."""
+        return tensor_bytes(self._kept)
 
     def zero_grad(self) -> None:
         """Drop the gradients of the modules and optimizers (an abandoned step's partial ones)."""

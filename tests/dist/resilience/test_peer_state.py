@@ -8,6 +8,7 @@ from torch import nn
 from steptune.core.dist import abort_group
 from steptune.resilience import peer_state
 from steptune.resilience.peer_state import DIRTY, EXACT, STEPPED, PeerState, SettleFailed, StateLost
+from steptune.resilience.recovery import Snapshots, tensor_bytes
 from steptune.testing import run_threads
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(60)]
@@ -164,3 +165,20 @@ def test_a_death_while_settling_is_a_settle_failure_for_the_caller_to_rejoin_fro
         return state.standing()  # unchanged: the next generation settles from the same standing
 
     assert run_threads(rank_fn, 2, group_timeout=2)[0] == (0, EXACT)
+
+
+def test_held_bytes_are_the_buffers_for_peer_and_two_whole_copies_for_snapshot():
+    model, opt, sched = _net()
+    _train_step(model, opt)  # AdamW holds its moments now
+    state = PeerState(model, opt, sched)
+    assert state.held_bytes() == 0
+    state.take(0)
+    assert state.held_bytes() == sum(b.numel() * b.element_size() for b in model.buffers()) > 0
+    snaps = Snapshots(model, opt)
+    one = tensor_bytes(model.state_dict()) + tensor_bytes(opt.state_dict())
+    assert one > 3 * sum(p.numel() * 4 for p in model.parameters())  # weights, two moments, BN, steps
+    snaps.take(0)
+    snaps.take(1)
+    assert snaps.held_bytes() == 2 * one
+    snaps.take(3)  # the start of step 2 was never taken: only step 3's is kept
+    assert snaps.held_bytes() == one
