@@ -57,11 +57,9 @@ __all__ = [
 
 def finish(out: Any, item: Any) -> NoReturn:
     """End a rank: put its result on ``out``, run the ``atexit`` handlers, and exit without tearing down
-    the interpreter. At a normal exit, freeing the rank's gloo groups (and a DDP on them) while their
-    threads still run has aborted the process with "Resource deadlock avoided" (a thread joining itself),
-    before the queue's feeder thread had sent the result: the launcher then took a finished rank for a
-    dead one (a CI-like full run, 2026-12-03: 1 of ~60 ``ctx.ddp`` jobs; faulthandler showed the main
-    thread in multiprocessing's exit, joining the feeder)."""
+    the interpreter. Freeing the rank's gloo groups (and a DDP on them) at a normal exit has aborted the
+    process ("Resource deadlock avoided") before the queue had sent the result, so that the launcher took a
+    finished rank for a dead one (docs/resilience.md, 2026-12-03)."""
     out.put(item)
     out.close()
     out.join_thread()  # the result is in the pipe

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from steptune.core.dist import LOOPBACK, LostGroups, new_gloo_group
 
@@ -63,17 +64,8 @@ class Rejoined(NamedTuple):
 
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the distinct tensors in ``obj`` and the dicts, lists and tuples inside it."""
-    seen: dict[int, int] = {}
-    todo = [obj]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, torch.Tensor):
-            seen[id(x)] = x.numel() * x.element_size()
-        elif isinstance(x, dict):
-            todo.extend(x.values())
-        elif isinstance(x, list | tuple):
-            todo.extend(x)
-    return sum(seen.values())
+    tensors = {id(x): x for x in tree_leaves(obj) if isinstance(x, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class Snapshots:
