@@ -16,3 +16,10 @@ def test_an_unknown_method_names_the_choices_and_the_variable(monkeypatch):
     with pytest.raises(ValueError, match=r"'spawn' or 'forkserver', got 'fork'") as err:
         start_context()
     assert "(the argument, or $STEPTUNE_START_METHOD)" in str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_forkserver_rank_starts_with_torch_dynamo_imported():
+    # A rank's first optimizer call imports torch._dynamo (2.3 s of CPU here) unless the server did.
+    with start_context("forkserver").Pool(1) as pool:
+        assert pool.apply(eval, ("'torch._dynamo' in __import__('sys').modules",))

@@ -72,7 +72,7 @@ def test_trace_shape(columns, steps):
 @needs_trace
 def test_calibration_stats(columns, record_property):
     stats = trace_stats(columns)
-    record_property("trace_stats", stats)
+    record_property("trace_stats", str(stats))
     print(stats)
     assert stats.forward_cv == pytest.approx(0.34, abs=0.005)  # README
     assert stats.forward_rank_cv == pytest.approx(0.28, abs=0.005)  # README
@@ -87,8 +87,8 @@ def test_partner_prediction_pooled_ratio_beats_per_dp(columns, steps, record_pro
     warmup = TraceConfig().warmup_steps
     pooled = np.abs(_residuals(steps, warmup))
     per_dp = np.abs(_residuals(trace_steps(columns, TraceConfig(pooled_ratio=False)), warmup))
-    record_property("mape_pooled", pooled.mean())
-    record_property("mape_per_dp", per_dp.mean())
+    record_property("mape_pooled", float(pooled.mean()))
+    record_property("mape_per_dp", float(per_dp.mean()))
     assert pooled.mean() < 0.05
     assert pooled.mean() <= per_dp.mean() and pooled.max() <= per_dp.max()
 
@@ -115,7 +115,7 @@ def _inject(columns, steps, rank):
 @pytest.mark.parametrize("rank", [0, 64], ids=["stage0", "stage1"])
 def test_injected_fail_slow_localized(columns, steps, rank, record_property):
     alarms, latency = _inject(columns, steps, rank)
-    record_property("alarms", alarms)
+    record_property("alarms", [str(a) for a in alarms])
     print(f"rank {rank}: {alarms}, latency {latency} steps")
     assert [a.unit for a in alarms] == [rank]
     assert 0 <= latency[0] <= 5
@@ -131,7 +131,9 @@ def test_injected_fail_slow_every_rank(columns, steps, record_property):
         latencies.append(latency[0])
         slowdowns.append(alarms[0].slowdown)
     record_property("latency_counts", np.bincount(latencies).tolist())
-    record_property("slowdown_min_median_max", (min(slowdowns), np.median(slowdowns), max(slowdowns)))
+    record_property(
+        "slowdown_min_median_max", [float(min(slowdowns)), float(np.median(slowdowns)), float(max(slowdowns))]
+    )
     assert max(latencies) <= 5
     assert np.median(slowdowns) == pytest.approx(FACTOR, rel=0.05)
 
