@@ -27,8 +27,13 @@ lint: install
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy src/steptune/core
 
+# Two passes (tests/conftest.py marks which tests are `serial`): pure computation on 2 xdist workers, then the
+# tests that start processes or read a clock, alone. Both passes always run; the target fails if either did.
 test: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	@status=0; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not serial" -n 2 --dist loadfile || status=$$?; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m serial || status=$$?; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
