@@ -21,6 +21,7 @@ os.environ.setdefault(START_METHOD_ENV, "forkserver")
 # processes or rank groups, or whose assertions read a clock: on 2 cores a second worker would make them
 # slower and their timing noisier (a full -n 2 run saw a survive-vs-restart wall time and an emulated-time
 # false alarm flip). What runs in parallel is pure computation: simulators, planners, models on one process.
+# tests/unit/core/test_suite_split.py fails when a unit file that uses processes or a clock is not listed.
 _SERIAL_DIRS = ("tests/dist/", "tests/integration/")
 _SERIAL_FILES = {
     "tests/unit/core/test_lazy.py",  # a subprocess
