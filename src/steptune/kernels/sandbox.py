@@ -3,7 +3,8 @@
 Process tree, per pool worker::
 
     pool (caller) --pipes--> worker  (`python -m steptune.kernels.sandbox`: torch imported once, child
-                                      subreaper, dies with the pool)
+                                      subreaper, dies with the pool; by default forked from the pool's
+                                      template, `... sandbox ROOT --template FD`: see spawn.py)
                                └── fork per candidate --> child (own session, fresh working dir, rlimits,
                                       no network, unprivileged uid, pinned core) runs evaluate.run_job
 
@@ -330,19 +331,24 @@ def _nobody_can_import() -> bool:
     return os.waitpid(pid, 0)[1] == 0
 
 
-def main() -> None:
-    """Worker loop: one JSON job per stdin line, one JSON result per stdout line."""
+def _become_worker() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # its /proc/<pid>/fd (the result pipe) closed to children
+
+
+def _import_once() -> None:
+    global _NOBODY_OK
     import torch  # imported once here, shared copy-on-write by every child
     import torch._dynamo  # noqa: F401  (the first op under a dispatch mode imports it: 1.3 s per child)
 
     import steptune.kernels.evaluate  # noqa: F401
 
-    global _NOBODY_OK
     _NOBODY_OK = _nobody_can_import()
-    root = Path(sys.argv[1])
+
+
+def _serve(root: Path) -> None:
+    """Worker loop: one JSON job per stdin line, one JSON result per stdout line."""
     print(json.dumps({"ready": os.getpid(), "can_drop_privileges": _NOBODY_OK}), flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -353,6 +359,69 @@ def main() -> None:
         except Exception as exc:  # a worker bug must not silently drop a job
             out = {"id": job.get("id"), "verdict": "crashed", "reason": f"worker error: {exc!r}"}
         print(json.dumps(out), flush=True)
+
+
+def _reap(*_: object) -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def _template(root: Path, sock_fd: int) -> None:
+    """Template loop: each message on the socket carries a worker's stdin (read end) and stdout (write
+    end); fork a worker onto them and answer with its pid and a pidfd. Ends when the pool closes the
+    socket; dies with the pool's template thread (death signal) and its workers die with it."""
+    import socket
+
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    _import_once()
+    sock = socket.socket(fileno=sock_fd)
+    signal.signal(signal.SIGCHLD, _reap)
+    print(json.dumps({"template": os.getpid(), "can_drop_privileges": _NOBODY_OK}), flush=True)
+    while True:
+        msg, fds, _, _ = socket.recv_fds(sock, 64, 2)
+        if not msg or len(fds) != 2:
+            return
+        # SIGCHLD blocked until the pidfd is open: a worker that dies at once is not reaped (and its pid
+        # reused) before then.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+                sock.close()
+                os.setsid()
+                os.dup2(fds[0], 0)
+                os.dup2(fds[1], 1)
+                for fd in fds:
+                    os.close(fd)
+                _become_worker()
+                _serve(root)
+            except BaseException:
+                code = 70
+            finally:
+                os._exit(code)
+        pidfd = os.pidfd_open(pid)
+        for fd in fds:
+            os.close(fd)
+        socket.send_fds(sock, [str(pid).encode()], [pidfd])
+        os.close(pidfd)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+
+
+def main() -> None:
+    """`python -m steptune.kernels.sandbox ROOT` serves jobs on stdin/stdout;
+    `python -m steptune.kernels.sandbox ROOT --template FD` forks such workers on request (pool.py)."""
+    root = Path(sys.argv[1])
+    if sys.argv[2:3] == ["--template"]:
+        _template(root, int(sys.argv[3]))
+        return
+    _become_worker()
+    _import_once()
+    _serve(root)
 
 
 if __name__ == "__main__":

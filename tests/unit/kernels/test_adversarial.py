@@ -57,7 +57,8 @@ def test_verdict_and_cleanup(pools, path):
         assert res.verdict == want, f"{path.stem} ({key}): {res.verdict}: {res.reason}"
         assert res.reason or want == "correct"
         # nothing the candidate started survives: only the pool's own workers remain below us
-        assert _descendants() - before <= set(checked.worker_pids()) | set(runtime.worker_pids())
+        own = {*checked.worker_pids(), *runtime.worker_pids(), checked.template_pid, runtime.template_pid}
+        assert _descendants() - before <= own
         # and the pool keeps serving
         assert pool.submit("softmax", CONTROL).result(timeout=60).verdict == "correct"
 

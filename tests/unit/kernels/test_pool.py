@@ -78,8 +78,9 @@ def test_roles_change_while_running_without_preempting():
             pool.set_roles(["fast", "slow"])
 
 
-def test_dead_worker_is_replaced():
-    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh"])
+def test_dead_worker_is_replaced(fork):
+    with EvalPool(PoolConfig(num_workers=1, timeout_s=30, fork_workers=fork)) as pool:
         assert pool.submit(PROBLEM, GOOD).result(60).verdict == "correct"
         fut = pool.submit(PROBLEM, SLOW.format(s=5))
         time.sleep(0.5)
@@ -87,6 +88,41 @@ def test_dead_worker_is_replaced():
         res = fut.result(60)
         assert res.verdict == "crashed" and "worker died" in res.reason
         assert pool.submit(PROBLEM, GOOD).result(60).verdict == "correct"
+        # forked workers are the template's children; fresh ones the caller's
+        parent = pool.template_pid if fork else os.getpid()
+        assert parent is not None
+        assert {psutil.Process(p).ppid() for p in pool.worker_pids()} == {parent}
+
+
+def _two_good(pool):
+    return [f.result(60).verdict for f in [pool.submit(PROBLEM, GOOD) for _ in range(2)]]
+
+
+def _running(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_killed_template_takes_its_workers_and_is_started_again():
+    with EvalPool(PoolConfig(num_workers=2, timeout_s=30)) as pool:
+        assert _two_good(pool) == ["correct"] * 2
+        template, workers = pool.template_pid, pool.worker_pids()
+        assert template is not None and len(workers) == 2
+        fut = pool.submit(PROBLEM, SLOW.format(s=5))
+        time.sleep(0.5)
+        os.kill(template, signal.SIGKILL)
+        res = fut.result(60)
+        assert res.verdict == "crashed" and "worker died" in res.reason
+        # the workers died with the template (their death signal), none is left behind
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in workers):
+            assert time.monotonic() < deadline, "a worker outlived its template"
+            time.sleep(0.05)
+        assert _two_good(pool) == ["correct"] * 2
+        assert pool.template_pid not in (None, template)
+        assert {psutil.Process(p).ppid() for p in pool.worker_pids()} == {pool.template_pid}
 
 
 def _snapshot(pool):
