@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -119,14 +120,20 @@ class _Worker:
         self.thread = threading.Thread(target=self._loop, name=f"steptune-eval-{index}", daemon=True)
 
     def _start(self) -> subprocess.Popen[str] | ForkedWorker:
-        template = self.pool._template_for_workers()
-        if template is not None:
+        proc: subprocess.Popen[str] | ForkedWorker | None = None
+        failed: Template | None = None
+        for _ in range(2):  # a template killed since it started gets one successor
+            template = self.pool._template_for_workers(failed)
+            if template is None:
+                break
             try:
-                proc: subprocess.Popen[str] | ForkedWorker = template.spawn()
-            except RuntimeError:  # the template died (or was killed) since: a new one, or a fresh worker
-                template = self.pool._template_for_workers(restart=True)
-                proc = template.spawn() if template is not None else self._start_fresh()
-        else:
+                proc = template.spawn()
+                break
+            except RuntimeError as exc:
+                if failed is not None:  # a new template fails too: fresh interpreters from now on
+                    self.pool._stop_forking(f"a new evaluation template could not fork a worker ({exc})")
+                failed = template
+        if proc is None:
             proc = self._start_fresh()
         assert proc.stdout is not None
         ready = proc.stdout.readline()
@@ -224,6 +231,8 @@ class EvalPool:
         candidates run with the caller's uid; docs/kernels.md)."""
         self._template: Template | None = None
         self._template_lock = threading.Lock()
+        self._fork_error: str | None = None
+        """Why this pool stopped forking workers from a template (None while it does)."""
         self.workers = [_Worker(self, i, r) for i, r in enumerate(roles)]
         for w in self.workers:
             w.thread.start()
@@ -239,22 +248,34 @@ class EvalPool:
         env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         return env
 
-    def _template_for_workers(self, restart: bool = False) -> Template | None:
-        """The pool's template (started on first use), or None to start fresh interpreters."""
-        if not self.config.fork_workers or not can_fork_workers():
+    def _template_for_workers(self, failed: Template | None = None) -> Template | None:
+        """The pool's template (started on first use; replaced when it is `failed` or dead), or None to
+        start fresh interpreters."""
+        if not self.config.fork_workers or self._fork_error is not None or not can_fork_workers():
             return None
         with self._template_lock:
             if self._closed:
                 return None
-            if self._template is not None and (restart or not self._template.alive()):
+            if self._template is not None and (self._template is failed or not self._template.alive()):
                 self._template.close()
                 self._template = None
             if self._template is None:
                 try:
                     self._template = Template(self.root, self._worker_env())
-                except RuntimeError:
+                except RuntimeError as exc:
+                    self._stop_forking(str(exc))
                     return None
             return self._template
+
+    def _stop_forking(self, why: str) -> None:
+        if self._fork_error is None:
+            self._fork_error = why
+            warnings.warn(
+                f"{why}; this pool starts each worker as a fresh interpreter from now on (seconds each; "
+                "PoolConfig(fork_workers=False) asks for that from the start)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     @property
     def template_pid(self) -> int | None:

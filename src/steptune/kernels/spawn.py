@@ -22,6 +22,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import select
@@ -36,10 +37,17 @@ from typing import IO
 __all__ = ["ForkedWorker", "Template", "can_fork_workers"]
 
 
+@functools.cache
 def can_fork_workers() -> bool:
-    """Whether this platform has what the template needs (Linux pidfds and fd passing)."""
+    """Whether this platform has what the template needs (Linux pidfds, kernel 5.3+, and fd passing)."""
     needs = ((os, "pidfd_open"), (signal, "pidfd_send_signal"), (socket, "send_fds"))
-    return all(hasattr(module, name) for module, name in needs)
+    if not all(hasattr(module, name) for module, name in needs):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:  # ENOSYS on kernels before 5.3, EPERM under some seccomp profiles
+        return False
+    return True
 
 
 class ForkedWorker:

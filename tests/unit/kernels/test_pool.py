@@ -125,6 +125,19 @@ def test_a_killed_template_takes_its_workers_and_is_started_again():
         assert {psutil.Process(p).ppid() for p in pool.worker_pids()} == {pool.template_pid}
 
 
+def test_a_template_that_cannot_fork_falls_back_to_fresh_workers_with_a_warning(monkeypatch):
+    from steptune.kernels.spawn import Template
+
+    def broken(self, timeout_s=30.0):
+        raise RuntimeError("the evaluation template did not answer")
+
+    monkeypatch.setattr(Template, "spawn", broken)
+    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
+        with pytest.warns(RuntimeWarning, match="fresh interpreter"):
+            assert pool.submit(PROBLEM, GOOD).result(60).verdict == "correct"
+        assert {psutil.Process(p).ppid() for p in pool.worker_pids()} == {os.getpid()}
+
+
 def _snapshot(pool):
     me = psutil.Process()
     procs = [p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
