@@ -45,9 +45,23 @@ _SERIAL_FILES = {
 }
 
 
+def _is_serial(path, config) -> bool:
+    rel = Path(str(path)).relative_to(Path(str(config.rootpath))).as_posix()
+    return rel.startswith(_SERIAL_DIRS) or rel in _SERIAL_FILES
+
+
+def pytest_ignore_collect(collection_path, config):
+    # `make test`'s passes select with exactly these expressions; a file whose tests a pass would deselect
+    # is not imported at all (collecting the whole suite costs about 12 s, each pass needs half of it).
+    expr = config.getoption("markexpr", "")
+    if expr not in ("serial", "not serial") or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.suffix == ".py" and _is_serial(collection_path, config) != (expr == "serial"):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    root = Path(str(config.rootpath))
     for item in items:
-        rel = Path(str(item.path)).relative_to(root).as_posix()
-        if rel.startswith(_SERIAL_DIRS) or rel in _SERIAL_FILES:
+        if _is_serial(item.path, config):
             item.add_marker(pytest.mark.serial)
