@@ -99,6 +99,8 @@ class Template:
         )
         self._thread.start()
         if not self._started.wait(start_timeout_s):
+            if self.proc is not None:  # its thread is reading the ready line: EOF ends it
+                self.proc.kill()
             self._stop.set()
             raise RuntimeError(f"the evaluation template did not start within {start_timeout_s:g} s")
         if self._error is not None:
