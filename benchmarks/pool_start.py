@@ -6,7 +6,9 @@ Per round and per mode (`fork_workers` True / False, alternating which goes firs
 - replace: SIGKILL one idle worker, then the time to the next verdict (the pool starts a new worker);
 - cpu: CPU seconds of the pool's processes over the round (children's rusage: the template, the
   fresh interpreters, the workers and their sandbox children; workers forked by the template count only
-  once the template is reaped, which `close()` does).
+  once the template is reaped, which `close()` does);
+- first_after_delay: a second pool, idle for `--delay` s after it is built (an LLM still writing the first
+  candidate), then the time to its first verdict (a forking pool starts its template when it is built).
 Prints the medians and writes `--json`.
 
     PYTHONPATH=src python benchmarks/pool_start.py --workers 2 --repeats 5 --json /tmp/pool_start.json
@@ -55,23 +57,39 @@ def one_round(fork: bool, workers: int) -> dict[str, float]:
     return {"start_s": start, "replace_s": replace, "cpu_s": cpu}
 
 
+def first_after(fork: bool, workers: int, delay_s: float) -> float:
+    with EvalPool(PoolConfig(num_workers=workers, timeout_s=60, fork_workers=fork)) as pool:
+        time.sleep(delay_s)
+        t0 = time.perf_counter()
+        verdict = pool.submit("softmax", GOOD).result(120).verdict
+        if verdict != "correct":
+            raise RuntimeError(f"unexpected verdict {verdict}")
+        return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--delay", type=float, default=5.0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rows: dict[str, list[dict[str, float]]] = {"forked": [], "fresh": []}
     for r in range(args.repeats):
         order = [True, False] if r % 2 == 0 else [False, True]
         for fork in order:
-            rows["forked" if fork else "fresh"].append(one_round(fork, args.workers))
+            row = one_round(fork, args.workers)
+            row["first_after_delay_s"] = first_after(fork, args.workers, args.delay)
+            rows["forked" if fork else "fresh"].append(row)
             print(f"round {r} {'forked' if fork else 'fresh':6s} {rows['forked' if fork else 'fresh'][-1]}")
-    out: dict[str, object] = {"workers": args.workers, "repeats": args.repeats, "rows": rows, "median": {}}
+    out: dict[str, object] = {"workers": args.workers, "repeats": args.repeats, "delay_s": args.delay}
+    out.update(rows=rows, median={})
     for mode, rs in rows.items():
-        med = {k: statistics.median(x[k] for x in rs) for k in ("start_s", "replace_s", "cpu_s")}
+        keys = ("start_s", "replace_s", "cpu_s", "first_after_delay_s")
+        med = {k: statistics.median(x[k] for x in rs) for k in keys}
         out["median"][mode] = med  # type: ignore[index]
-        line = f"start {med['start_s']:.2f} s, replace {med['replace_s']:.2f} s, cpu {med['cpu_s']:.1f} s"
+        line = f"start {med['start_s']:.2f} s, replace {med['replace_s']:.2f} s, cpu {med['cpu_s']:.1f} s, "
+        line += f"first verdict {args.delay:g} s after the build {med['first_after_delay_s']:.2f} s"
         print(f"{mode:6s} median: {line}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

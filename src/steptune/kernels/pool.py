@@ -236,6 +236,12 @@ class EvalPool:
         self.workers = [_Worker(self, i, r) for i, r in enumerate(roles)]
         for w in self.workers:
             w.thread.start()
+        if cfg.fork_workers and can_fork_workers():
+            # The template imports torch while the caller prepares its first candidates (an LLM is still
+            # writing them): the first request then waits for a fork, not for an interpreter.
+            threading.Thread(
+                target=self._template_for_workers, name="steptune-eval-prestart", daemon=True
+            ).start()
 
     # -- worker processes ----------------------------------------------------------------------------------
     def _worker_env(self) -> dict[str, str]:
