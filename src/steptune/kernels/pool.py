@@ -1,7 +1,8 @@
 """The evaluation pool: candidates in, verdicts out, on a set of sandboxed workers with roles and priorities.
 
-Contract: `EvalPool` owns its workers (one `python -m steptune.kernels.sandbox` process each) and a scratch
-folder; `close()` (or leaving the `with` block) kills the workers and removes the folder. Requests carry a
+Contract: `EvalPool` owns its workers (one `python -m steptune.kernels.sandbox` process each, forked from the
+pool's pre-imported template unless `fork_workers=False`: spawn.py) and a scratch folder; `close()` (or
+leaving the `with` block) kills the workers and the template and removes the folder. Requests carry a
 kind (`validate`, `profile`) and a priority (higher runs first; ties in arrival order). A worker has a role
 (`validate`, `profile` or `any`) that `set_roles` may change while the pool runs: a worker finishes the job
 it holds and takes its next job by its new role, so a timing run is never preempted. If a worker process
