@@ -130,6 +130,8 @@ class Recorder(TorchDispatchMode):
         self._keys: dict[tuple[Any, ...], int] = {}
         self._external_groups: set[int] = set()
         self._opaque_depth = 0
+        self.c10d_ops = 0
+        """Eager c10d ops seen at the dispatcher (a ``torch.distributed`` call on a bare backend is not)."""
         self.seconds = 0.0
         self.pack_fn: Callable[[torch.Tensor], Any] | None = None
         """The pack hook this recording installed; another one on top means the block runs
@@ -215,6 +217,16 @@ class Recorder(TorchDispatchMode):
                 template.append(_Ref(*key))
             else:
                 template.append(a)
+        if getattr(func, "namespace", "") == "c10d":
+            c10d_written = _c10d_written(func, args, kwargs)
+            self.c10d_ops += 1
+            if c10d_written:
+                self.seconds += time.perf_counter() - start
+                out = func(*args, **kwargs)
+                start = time.perf_counter()
+                self._opaque_write(func._schema.name, c10d_written)
+                self.seconds += time.perf_counter() - start
+                return out
         written = self._written_positions(func, args, kwargs)
         tags = getattr(func, "tags", ())
         random = torch.Tag.nondeterministic_seeded in tags and _consumes_rng(func, args, kwargs)
@@ -323,7 +335,7 @@ class Recorder(TorchDispatchMode):
                 stack.pop()
 
     def _opaque_write(self, name: str, flat: list[Any]) -> None:
-        """A call that may have written each of these tensors outside the dispatcher."""
+        """A call that wrote each of these tensors without saying so in its schema (eager c10d)."""
         index = len(self.nodes)
         node = OpNode(index, name, [], None, [], [], [], force_save="collective")
         for t in flat:
@@ -394,8 +406,27 @@ def _patched_apply(fn_cls: Any, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-# torch.distributed's eager collectives write their tensors below the dispatch mode (no aten op,
-# no version bump): each call is recorded as an opaque write of every tensor it was given.
+def _c10d_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an eager c10d op writes. ``torch.distributed``'s collectives and a ``ProcessGroup``'s
+    methods all reach the dispatcher as ``c10d::`` ops (whatever name they were imported under), but their
+    schemas mark no argument as written (``Tensor[] tensors``) and the writes bump no version counter:
+    the in-place ones (a trailing ``_``) write their ``tensors`` or ``output*`` arguments."""
+    name = func._schema.name.split("::")[-1]
+    if not name.endswith("_") or name == "monitored_barrier_":
+        return []
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "tensors" or arg.name.startswith("output"):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            out += [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+    return out
+
+
+# A ``ProcessGroup`` (what init_process_group, new_group and DeviceMesh give) sends its collectives through
+# the dispatcher, where ``_c10d_written`` sees them under any name. A bare backend object (a
+# ``ProcessGroupGloo`` built directly, as steptune's thread-rank groups are) runs them below it: for those,
+# torch.distributed's functions are patched, and a call records its tensors as written only when the
+# dispatcher saw no c10d op during it.
 _DIST_COLLECTIVES = (
     "all_reduce",
     "broadcast",
@@ -415,9 +446,10 @@ _DIST_COLLECTIVES = (
 
 def _patched_collective(name: str) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
-        out = _patch.original(torch.distributed, name)(*args, **kwargs)
         stack = _recorders()
-        if stack:
+        seen = stack[-1].c10d_ops if stack else 0
+        out = _patch.original(torch.distributed, name)(*args, **kwargs)
+        if stack and stack[-1].c10d_ops == seen:
             stack[-1]._opaque_write(name, tree_flatten((args, kwargs))[0])
         return out
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed import all_reduce as _all_reduce  # bound before TapeSAC is ever applied
+from torch.distributed import all_to_all_single as _all_to_all_single
 
 
 class Chain(nn.Module):
@@ -136,13 +138,17 @@ class ToggleBlock(nn.Module):
 
 
 class CollectiveBlock(nn.Module):
-    """All-reduces a statistic across the group in forward (as a data-parallel norm would)."""
+    """All-reduces a statistic across the group in forward (as a data-parallel norm would). ``how``: an eager
+    collective called as ``dist.all_reduce``, under a name imported before TapeSAC was applied
+    (``imported``), as the process group's own method (``method``), or an all-to-all into a new tensor under
+    an imported name (``all_to_all``); ``functional`` uses the functional collective instead."""
 
-    def __init__(self, width: int, group: object = None, functional: bool = False) -> None:
+    def __init__(self, width: int, group: object = None, functional: bool = False, how: str = "dist") -> None:
         super().__init__()
         self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
         self.group = group
         self.functional = functional
+        self.how = how
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -150,9 +156,17 @@ class CollectiveBlock(nn.Module):
 
         h = self.a(x)
         stat = h.detach().pow(2).mean(dim=0)
-        if self.functional:  # an aten-level op the dispatcher sees
+        if self.functional:  # an out-of-place aten-level op
             stat = funcol.wait_tensor(funcol.all_reduce(stat, "sum", self.group))
-        else:  # eager c10d: runs below the dispatch mode
+        elif self.how == "imported":
+            _all_reduce(stat, group=self.group)
+        elif self.how == "method":
+            self.group.allreduce([stat]).wait()  # type: ignore[attr-defined]
+        elif self.how == "all_to_all":  # as expert parallelism exchanges tokens: returns no tensor
+            out = torch.empty_like(stat)
+            _all_to_all_single(out, stat, group=self.group)
+            stat = out
+        else:  # eager c10d: its schema does not say it writes `stat`
             dist.all_reduce(stat, group=self.group)
         return x + self.b(h * stat.rsqrt())
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import steptune.memory.record as record
+from steptune.core.dist import as_process_group
 from steptune.core.patching import SharedPatch
 from steptune.memory import TapeSACConfig, apply_tapesac_
 from steptune.memory.measure import OpCounter, max_abs_diff
@@ -103,32 +104,55 @@ def test_explicit_generator_draws_are_saved(monkeypatch):
     assert max_abs_diff(reference, run(GeneratorNoiseBlock)) > 0.0  # replay draws the next numbers
 
 
-def _collective_rank(rank, group, functional, disable):
+def _collective_rank(rank, group, functional, kind="backend", how="dist"):
+    if kind == "process_group":  # as init_process_group and new_group give: collectives reach the dispatcher
+        group = as_process_group(group, torch.distributed.HashStore(), rank, 2, prefix="pg")
     torch.manual_seed(0)
-    model = Chain(lambda w: CollectiveBlock(w, group, functional))
+    model = Chain(lambda w: CollectiveBlock(w, group, functional, how))
     x = torch.randn(8, 32) + rank
     reference, _, _ = _step(model, x)
-    original = record.Recorder._opaque_write
-    if disable:  # negative control: forget that eager c10d calls write their tensors
-        record.Recorder._opaque_write = lambda self, name, flat: None
-    try:
-        got, ops, handle = _step(model, x, CollectiveBlock)
-    finally:
-        record.Recorder._opaque_write = original
+    got, ops, handle = _step(model, x, CollectiveBlock)
     functional_in_backward = sum(n for op, n in ops.items() if op.startswith("_c10d_functional.all_reduce"))
     return max_abs_diff(reference, got), functional_in_backward, dict(handle.stats.force_saved)
 
 
-def test_collectives_are_not_replayed():
-    for diff, replayed, reasons in run_threads(_collective_rank, 2, False, False, timeout=30):
+# A bare gloo backend runs torch.distributed's collectives below the dispatcher (the patched functions
+# see them); a ProcessGroup's go through it as c10d ops, seen under any name: one bound before TapeSAC was
+# applied, or the group's own method, which no patch of torch.distributed reaches. An all-to-all returns no
+# tensor: only the recorded write says that its output was filled (before 2026-12-03 replay re-ran the
+# `empty` that allocated it).
+HOWS = ("dist", "imported", "method", "all_to_all")
+CASES = [("backend", "dist")] + [("process_group", how) for how in HOWS]
+
+
+@pytest.mark.parametrize(("kind", "how"), CASES)
+def test_collectives_are_not_replayed(kind, how):
+    for diff, replayed, reasons in run_threads(_collective_rank, 2, False, kind, how, timeout=30):
         assert diff == 0.0
         assert replayed == 0
         assert reasons.get("collective") == 2
 
 
-def test_an_unrecorded_eager_collective_would_corrupt_gradients():
-    for diff, _, _ in run_threads(_collective_rank, 2, False, True, timeout=30):
-        assert diff > 0.0
+@pytest.mark.parametrize(("kind", "how"), CASES)
+def test_an_unrecorded_eager_collective_would_corrupt_gradients(monkeypatch, kind, how):
+    # negative control: forget that eager c10d calls write their tensors (patched once, for both rank threads)
+    monkeypatch.setattr(record.Recorder, "_opaque_write", lambda self, name, flat: None)
+    for diff, _, _ in run_threads(_collective_rank, 2, False, kind, how, timeout=30):
+        assert diff != 0.0  # NaN too: the all-to-all's output replayed as the uninitialized `empty`
+
+
+def test_which_arguments_an_eager_c10d_op_writes():
+    import torch.distributed  # registers the c10d ops
+
+    c10d = torch.ops.c10d
+    a, b, c = torch.ones(2), torch.ones(4), torch.ones(2)
+    pg = object()
+    assert record._c10d_written(c10d.allreduce_.default, ([a, c], pg), {}) == [a, c]
+    assert record._c10d_written(c10d._allgather_base_.default, (b, a, pg), {}) == [b]
+    assert record._c10d_written(c10d.allgather_.default, ([[a, c]], [b], pg), {}) == [a, c]
+    assert record._c10d_written(c10d.recv_.default, ([a], pg, 0, 0), {}) == [a]
+    assert record._c10d_written(c10d.send.default, ([a], pg, 1, 0), {}) == []
+    assert record._c10d_written(c10d.barrier.default, (a, pg, []), {}) == []
 
 
 def test_functional_collectives_are_classified_as_collectives():
