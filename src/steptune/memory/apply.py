@@ -24,7 +24,7 @@ from steptune.memory.frame import Frame, ReplayStats, pack_hook, unpack_hook
 from steptune.memory.inner import flattened_checkpoints
 from steptune.memory.record import Recorder, _external_key
 from steptune.memory.reuse import TemplateCache, run_reused, signature, template_from, unkeyable_argument
-from steptune.memory.tape import ExternalRef, OpNode, Tape, TapeSACError
+from steptune.memory.tape import READS_WRITTEN, ExternalRef, OpNode, Tape, TapeSACError
 
 __all__ = ["SavePlan", "TapeSAC", "TapeSACConfig", "apply_tapesac_", "find_blocks"]
 
@@ -327,4 +327,4 @@ def _mark_readers_of_written_externals(tape: Any) -> None:
         return
     for node in tape.nodes:
         if node.force_save is None and any(tape.slots[sid].group in written for sid, _ in node.reads):
-            node.force_save = "reads a tensor the block writes in place"
+            node.force_save = READS_WRITTEN

@@ -224,7 +224,7 @@ class Recorder(TorchDispatchMode):
                 self.seconds += time.perf_counter() - start
                 out = func(*args, **kwargs)
                 start = time.perf_counter()
-                self._opaque_write(func._schema.name, c10d_written)
+                self._opaque_write(str(func), c10d_written)
                 self.seconds += time.perf_counter() - start
                 return out
         written = self._written_positions(func, args, kwargs)
@@ -338,20 +338,23 @@ class Recorder(TorchDispatchMode):
         """A call that wrote each of these tensors without saying so in its schema (eager c10d)."""
         index = len(self.nodes)
         node = OpNode(index, name, [], None, [], [], [], force_save="collective")
-        for t in flat:
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = self.lookup(t)
-            node.reads.append(key)
-            group = self.slots[key[0]].group
-            if group in self._external_groups:
-                node.force_save = "collective (writes a tensor the block did not produce)"
-            self.group_version[group] += 1
-            self.group_writes.setdefault(group, []).append((self.group_version[group], index))
-            node.writes.append(group)
-            node.outs.append((len(node.outs), key[0]))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        keys = [self.lookup(t) for t in tensors]  # read before any is written (views of one buffer)
+        node.reads.extend(keys)
+        for t, (sid, _) in zip(tensors, keys, strict=True):
+            group = self.slots[sid].group
+            if group not in node.writes:  # one new version per storage, however many views were written
+                if group in self._external_groups:
+                    node.force_save = "collective (writes a tensor the block did not produce)"
+                    for slot in self.slots:  # readers of its earlier value are held from forward (apply.py)
+                        if slot.group == group and slot.external is not None:
+                            slot.external.written = True
+                self.group_version[group] += 1
+                self.group_writes.setdefault(group, []).append((self.group_version[group], index))
+                node.writes.append(group)
+            node.outs.append((len(node.outs), sid))
             node.out_versions.append(self.group_version[group])
-            self.captured[(key[0], self.group_version[group])] = t
+            self.captured[(sid, self.group_version[group])] = t
         self.nodes.append(node)
 
     def _mark_opaque_output(self, t: torch.Tensor) -> None:

@@ -36,6 +36,10 @@ class TapeSACError(RuntimeError):
     """A TapeSAC contract was broken; the message says what to change."""
 
 
+READS_WRITTEN = "reads a tensor the block writes in place"
+"""The force-save reason of a node that read a block input, parameter or buffer the block writes later."""
+
+
 @dataclass(slots=True)
 class ExternalRef:
     """Where a tensor the block did not produce comes from at replay time."""
@@ -148,10 +152,15 @@ def backward_slice(
             continue
         producer = tape.nodes[slot.producer]
         if producer.force_save is not None:
+            why = (
+                "the block writes that tensor in place later, so this output was not held from forward"
+                if producer.force_save == READS_WRITTEN
+                else "and was overwritten in place later"
+            )
             raise TapeSACError(
                 f"backward needs an intermediate version of the output of {producer.name} "
-                f"(node {producer.index}), which cannot be replayed ({producer.force_save}) and "
-                "was overwritten in place later; exclude this block from TapeSAC"
+                f"(node {producer.index}), which cannot be replayed ({producer.force_save}); {why}; "
+                "exclude this block from TapeSAC"
             )
         nodes = [slot.producer]
         for after, writer in tape.group_writes.get(slot.group, []):

@@ -141,7 +141,8 @@ class CollectiveBlock(nn.Module):
     """All-reduces a statistic across the group in forward (as a data-parallel norm would). ``how``: an eager
     collective called as ``dist.all_reduce``, under a name imported before TapeSAC was applied
     (``imported``), as the process group's own method (``method``), or an all-to-all into a new tensor under
-    an imported name (``all_to_all``); ``functional`` uses the functional collective instead."""
+    an imported name (``all_to_all``), or an all-gather into two views of one buffer (``all_gather_views``);
+    ``functional`` uses the functional collective instead."""
 
     def __init__(self, width: int, group: object = None, functional: bool = False, how: str = "dist") -> None:
         super().__init__()
@@ -166,9 +167,32 @@ class CollectiveBlock(nn.Module):
             out = torch.empty_like(stat)
             _all_to_all_single(out, stat, group=self.group)
             stat = out
+        elif self.how == "all_gather_views":  # one op writes two views of one buffer
+            chunks = list(torch.empty(2 * stat.numel()).chunk(2))
+            dist.all_gather(chunks, stat, group=self.group)
+            stat = chunks[0] + chunks[1]
         else:  # eager c10d: its schema does not say it writes `stat`
             dist.all_reduce(stat, group=self.group)
         return x + self.b(h * stat.rsqrt())
+
+
+class SyncedBufferBlock(nn.Module):
+    """Reads a buffer, then all-reduces it in place (as a synchronized running statistic would): the value
+    read before the collective must not be recomputed from the buffer's new value."""
+
+    def __init__(self, width: int, group: object = None) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.register_buffer("scale", torch.full((width,), 0.5))
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        s = self.scale.exp()  # saved by the mul below, computed from the buffer before the collective
+        h = self.a(x) * s
+        dist.all_reduce(self.scale, group=self.group)
+        return x + h
 
 
 class DenseBlock(nn.Module):

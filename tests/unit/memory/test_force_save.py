@@ -10,6 +10,7 @@ from steptune.core.dist import as_process_group
 from steptune.core.patching import SharedPatch
 from steptune.memory import TapeSACConfig, apply_tapesac_
 from steptune.memory.measure import OpCounter, max_abs_diff
+from steptune.memory.tape import TapeSACError
 from steptune.testing import run_threads
 from steptune.testing.memory_blocks import (
     BatchNormBlock,
@@ -18,6 +19,7 @@ from steptune.testing.memory_blocks import (
     GeneratorNoiseBlock,
     OpaqueBlock,
     SyncBlock,
+    SyncedBufferBlock,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -121,7 +123,7 @@ def _collective_rank(rank, group, functional, kind="backend", how="dist"):
 # applied, or the group's own method, which no patch of torch.distributed reaches. An all-to-all returns no
 # tensor: only the recorded write says that its output was filled (before 2026-12-03 replay re-ran the
 # `empty` that allocated it).
-HOWS = ("dist", "imported", "method", "all_to_all")
+HOWS = ("dist", "imported", "method", "all_to_all", "all_gather_views")
 CASES = [("backend", "dist")] + [("process_group", how) for how in HOWS]
 
 
@@ -139,6 +141,91 @@ def test_an_unrecorded_eager_collective_would_corrupt_gradients(monkeypatch, kin
     monkeypatch.setattr(record.Recorder, "_opaque_write", lambda self, name, flat: None)
     for diff, _, _ in run_threads(_collective_rank, 2, False, kind, how, timeout=30):
         assert diff != 0.0  # NaN too: the all-to-all's output replayed as the uninitialized `empty`
+
+
+def _synced_buffer_rank(rank, group, kind):
+    if kind == "process_group":
+        group = as_process_group(group, torch.distributed.HashStore(), rank, 2, prefix="pg")
+    torch.manual_seed(rank)
+    x = torch.randn(8, 32)
+    grads = []
+    for block in (None, SyncedBufferBlock):
+        torch.manual_seed(0)  # the same weights, and fresh buffers: each run all-reduces them
+        model = Chain(lambda w: SyncedBufferBlock(w, group))
+        try:
+            grads.append(_step(model, x, block)[0])
+        except TapeSACError as err:
+            return str(err)
+    return max_abs_diff(*grads)
+
+
+@pytest.mark.parametrize("kind", ["backend", "process_group"])
+def test_a_value_read_before_a_collective_writes_the_buffer_is_a_clear_error(monkeypatch, kind):
+    # exp(buffer) is saved by autograd, then the buffer is all-reduced in place: replay would compute exp
+    # of the new value, and the recorder learns of the write only after exp's output was packed without
+    # being held. The first forward says so.
+    for got in run_threads(_synced_buffer_rank, 2, kind, timeout=30):
+        assert isinstance(got, str) and "aten.exp" in got and "exclude this block" in got, got
+    # negative control: without marking the buffer written, the gradients are silently wrong
+    original = record.Recorder._opaque_write
+
+    def forget(self, name, flat):
+        original(self, name, flat)
+        for slot in self.slots:
+            if slot.external is not None:
+                slot.external.written = False
+
+    monkeypatch.setattr(record.Recorder, "_opaque_write", forget)
+    for got in run_threads(_synced_buffer_rank, 2, kind, timeout=30):
+        assert not isinstance(got, str) and got != 0.0, got
+
+
+# Every eager c10d op of this torch and the arguments it writes, by hand from what each collective does (an
+# op that torch adds, or an argument it renames, makes the test below fail until it is classified here).
+C10D_WRITES = {
+    "_allgather_base_": {"output_tensor"},
+    "_reduce_scatter_base_": {"output_tensor"},
+    "allgather_": {"output_tensors"},
+    "allgather_coalesced_": {"output_lists"},
+    "allgather_into_tensor_coalesced_": {"outputs"},
+    "allreduce_": {"tensors"},
+    "allreduce_coalesced_": {"tensors"},
+    "alltoall_": {"output_tensors"},
+    "alltoall_base_": {"output"},
+    "barrier": set(),
+    "broadcast_": {"tensors"},
+    "check_for_nan": set(),
+    "gather_": {"output_tensors"},
+    "monitored_barrier_": set(),
+    "recv_": {"tensors"},
+    "recv_any_source_": {"tensors"},
+    "reduce_": {"tensors"},
+    "reduce_scatter_": {"output_tensors"},
+    "reduce_scatter_tensor_coalesced_": {"outputs"},
+    "scatter_": {"output_tensors"},
+    "send": set(),
+}
+
+
+def test_every_c10d_op_is_classified():
+    import torch.distributed  # registers the c10d ops
+
+    names = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("c10d::"))
+    assert set(names) == set(C10D_WRITES), "classify the new or removed c10d ops in C10D_WRITES"
+    for name in names:
+        op = getattr(torch.ops.c10d, name).default
+        args, by_id = [], {}
+        for arg in op._schema.arguments:
+            kind = str(arg.type)  # Tensor, Optional[Tensor], List[Tensor], List[List[Tensor]]
+            if "Tensor" in kind:
+                t = torch.zeros(1)
+                by_id[id(t)] = arg.name
+                depth = kind.count("List[")
+                args.append([[t]] if depth == 2 else [t] if depth == 1 else t)
+            else:
+                args.append(None)
+        written = {by_id[id(t)] for t in record._c10d_written(op, tuple(args), {})}
+        assert written == C10D_WRITES[name], name
 
 
 def test_which_arguments_an_eager_c10d_op_writes():
