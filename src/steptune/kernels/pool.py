@@ -116,6 +116,8 @@ class _Worker:
     def __init__(self, pool: EvalPool, index: int, role: str) -> None:
         self.pool, self.index, self.role = pool, index, role
         self.proc: subprocess.Popen[str] | ForkedWorker | None = None
+        self.template: Template | None = None
+        """The template that forked ``proc`` (None for a fresh interpreter)."""
         self.busy = False
         self.jobs_done = 0
         self.thread = threading.Thread(target=self._loop, name=f"steptune-eval-{index}", daemon=True)
@@ -129,13 +131,14 @@ class _Worker:
                 break
             try:
                 proc = template.spawn()
+                self.template = template
                 break
             except RuntimeError as exc:
                 if failed is not None:  # a new template fails too: fresh interpreters from now on
                     self.pool._stop_forking(f"a new evaluation template could not fork a worker ({exc})")
                 failed = template
         if proc is None:
-            proc = self._start_fresh()
+            proc, self.template = self._start_fresh(), None
         assert proc.stdout is not None
         ready = proc.stdout.readline()
         if not ready.startswith('{"ready"'):
@@ -172,10 +175,12 @@ class _Worker:
                 self.busy = False
                 self.jobs_done += 1
 
-    def _run(self, req: _Request) -> Result:
+    def _run(self, req: _Request, retried: bool = False) -> Result:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = self._start()
         job = self.pool._job(req, self.index)
+        if retried:
+            job["id"] += "-again"
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
             self.proc.stdin.write(json.dumps(job) + "\n")
@@ -186,7 +191,15 @@ class _Worker:
         if not line:  # the worker itself died: report, restart on the next request
             self.proc.kill()
             self.proc.wait()
-            self.proc = None
+            self.proc, template = None, self.template
+            shutil.rmtree(self.pool.root / f"job-{job['id']}", ignore_errors=True)  # the dead worker's
+            if not retried and template is not None and not template.alive():
+                # It died with the pool's template (killed, or out of memory), which takes every busy
+                # worker: run the request once more on a new one. A candidate that kills the template
+                # itself does it again and is reported crashed.
+                res = self._run(req, retried=True)
+                res.extra["retried"] = "its first worker died with the pool's template"
+                return res
             why = "the evaluation worker died"
             return Result(verdict="crashed", reason=why, kind=req.kind, worker=self.index)
         raw = json.loads(line)
@@ -231,6 +244,7 @@ class EvalPool:
         """Known once a worker has started: False where uid `nobody` cannot read this Python (then
         candidates run with the caller's uid; docs/kernels.md)."""
         self._template: Template | None = None
+        self._retired: list[Template] = []
         self._template_lock = threading.Lock()
         self._fork_error: str | None = None
         """Why this pool stopped forking workers from a template (None while it does)."""
@@ -264,15 +278,22 @@ class EvalPool:
             if self._closed:
                 return None
             if self._template is not None and (self._template is failed or not self._template.alive()):
-                self._template.close()
+                if self._template.alive():  # it did not answer, but its workers may be busy: keep them
+                    self._retired.append(self._template)
+                else:
+                    self._template.close()
                 self._template = None
             if self._template is None:
-                try:
-                    self._template = Template(self.root, self._worker_env())
+                try:  # listed as soon as its process exists (template_pid), before it has imported
+                    self._template = Template(self.root, self._worker_env(), on_start=self._set_template)
                 except RuntimeError as exc:
+                    self._template = None
                     self._stop_forking(str(exc))
                     return None
             return self._template
+
+    def _set_template(self, template: Template) -> None:
+        self._template = template
 
     def _stop_forking(self, why: str) -> None:
         if self._fork_error is None:
@@ -400,9 +421,9 @@ class EvalPool:
             w.thread.join(timeout=self.config.timeout_s + 10)
             w.stop()
         with self._template_lock:
-            if self._template is not None:
-                self._template.close()
-                self._template = None
+            for template in [*self._retired, *filter(None, [self._template])]:
+                template.close()
+            self._template, self._retired = None, []
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> EvalPool:

@@ -386,7 +386,14 @@ def _template(root: Path, sock_fd: int) -> None:
         # SIGCHLD blocked until the pidfd is open: a worker that dies at once is not reaped (and its pid
         # reused) before then.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # EAGAIN, ENOMEM: this request fails, the template and its workers live on
+            for fd in fds:
+                os.close(fd)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+            sock.send(f"fork failed: {exc}".encode())
+            continue
         if pid == 0:
             code = 0
             try:

@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -51,15 +52,25 @@ def can_fork_workers() -> bool:
 
 
 class ForkedWorker:
-    """A worker forked by the template: pipes to it and a pidfd on it."""
+    """A worker forked by the template: pipes to it and a pidfd on it. Thread-safe like ``Popen``: the pidfd
+    is closed only when the object is freed (never while another thread may poll or signal through it, and
+    a pidfd never names another process), the pipes likewise (as ``Popen`` leaves them)."""
 
     def __init__(self, pid: int, pidfd: int, stdin: IO[str], stdout: IO[str]) -> None:
         self.pid, self._pidfd, self.stdin, self.stdout = pid, pidfd, stdin, stdout
         self.returncode: int | None = None
 
+    def _wait_fd(self, timeout: float | None) -> bool:
+        if self.returncode is None:
+            poller = select.poll()  # not select.select: fd numbers above 1024 in a busy process
+            poller.register(self._pidfd, select.POLLIN)
+            if not poller.poll(None if timeout is None else int(timeout * 1000)):
+                return False
+            self.returncode = -1  # exited; the template reaps it, so the status is not known here
+        return True
+
     def poll(self) -> int | None:
-        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
-            self._exited()
+        self._wait_fd(0)
         return self.returncode
 
     def kill(self) -> None:
@@ -68,25 +79,28 @@ class ForkedWorker:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            if not select.select([self._pidfd], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
-            self._exited()
+        if not self._wait_fd(timeout):
+            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
         assert self.returncode is not None
         return self.returncode
 
-    def _exited(self) -> None:
-        self.returncode = -1
-        os.close(self._pidfd)
-        for f in (self.stdin, self.stdout):
-            with contextlib.suppress(OSError):  # a write buffered for a dead reader
-                f.close()
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self._pidfd)
 
 
 class Template:
     """One pre-imported process per pool that forks its workers (see the module docstring)."""
 
-    def __init__(self, root: Path, env: dict[str, str], start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        root: Path,
+        env: dict[str, str],
+        start_timeout_s: float = 120.0,
+        on_start: Callable[[Template], None] | None = None,
+    ) -> None:
+        """Start the template and wait until it has imported; ``on_start(self)`` runs before the wait (the
+        pool lists the process as its own from then on)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -94,10 +108,13 @@ class Template:
         self.proc: subprocess.Popen[str] | None = None
         self.can_drop_privileges = False
         self._sock: socket.socket | None = None
+        self._broken = False
         self._thread = threading.Thread(
             target=self._own, args=(root, env), name="steptune-eval-template", daemon=True
         )
         self._thread.start()
+        if on_start is not None:
+            on_start(self)
         if not self._started.wait(start_timeout_s):
             if self.proc is not None:  # its thread is reading the ready line: EOF ends it
                 self.proc.kill()
@@ -131,6 +148,7 @@ class Template:
         except BaseException as exc:
             self._error = exc
             ours.close()
+            theirs.close()
             if self.proc is not None:
                 self.proc.kill()
                 self.proc.wait()
@@ -143,34 +161,41 @@ class Template:
         self.proc.wait()
 
     def alive(self) -> bool:
-        return self._error is None and self.proc is not None and self.proc.poll() is None
+        return self._error is None and not self._broken and self.proc is not None and self.proc.poll() is None
 
     def spawn(self, timeout_s: float = 30.0) -> ForkedWorker:
-        """Fork one worker; raises RuntimeError when the template is gone or does not answer."""
+        """Fork one worker; raises RuntimeError when the template is gone or does not answer (then it is
+        marked broken: a late answer must not be read as the next request's)."""
         w_in_r, w_in_w = os.pipe()
         w_out_r, w_out_w = os.pipe()
+        fds: list[int] = []
         try:
             with self._lock:
                 if self._sock is None or not self.alive():
                     raise RuntimeError("the evaluation template is not running")
-                self._sock.settimeout(timeout_s)
                 try:
+                    self._sock.settimeout(timeout_s)
                     socket.send_fds(self._sock, [b"spawn"], [w_in_r, w_out_w])
                     msg, fds, _, _ = socket.recv_fds(self._sock, 64, 1)
                 except OSError as exc:
+                    self._broken = True
                     raise RuntimeError(f"the evaluation template did not answer: {exc!r}") from exc
-            if not msg or len(fds) != 1:
-                for fd in fds:
-                    os.close(fd)
-                raise RuntimeError("the evaluation template closed its socket")
+                if not msg.isdigit() or len(fds) != 1:
+                    self._broken = msg == b""
+                    why = msg.decode(errors="replace") or "it closed its socket"
+                    raise RuntimeError(f"the evaluation template could not fork a worker: {why}")
+            os.set_inheritable(fds[0], False)
+            pipes = open(w_in_w, "w"), open(w_out_r)  # noqa: SIM115  (the worker owns them)
+            worker = ForkedWorker(int(msg), fds[0], *pipes)
         except BaseException:
-            for fd in (w_in_w, w_out_r):
-                os.close(fd)
+            for fd in (w_in_w, w_out_r, *fds):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             raise
         finally:
             os.close(w_in_r)
             os.close(w_out_w)
-        return ForkedWorker(int(msg), fds[0], open(w_in_w, "w"), open(w_out_r))
+        return worker
 
     def close(self) -> None:
         self._stop.set()

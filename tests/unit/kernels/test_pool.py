@@ -105,16 +105,16 @@ def _running(pid):
         return False
 
 
-def test_a_killed_template_takes_its_workers_and_is_started_again():
+def test_a_killed_template_takes_its_workers_its_busy_request_runs_again_on_a_new_one():
     with EvalPool(PoolConfig(num_workers=2, timeout_s=30)) as pool:
         assert _two_good(pool) == ["correct"] * 2
         template, workers = pool.template_pid, pool.worker_pids()
         assert template is not None and len(workers) == 2
-        fut = pool.submit(PROBLEM, SLOW.format(s=5))
+        fut = pool.submit(PROBLEM, SLOW.format(s=2))
         time.sleep(0.5)
         os.kill(template, signal.SIGKILL)
-        res = fut.result(60)
-        assert res.verdict == "crashed" and "worker died" in res.reason
+        res = fut.result(60)  # not the candidate's doing: run again on a new worker of a new template
+        assert res.verdict == "correct" and "template" in res.extra["retried"], res
         # the workers died with the template (their death signal), none is left behind
         deadline = time.monotonic() + 10
         while any(_running(p) for p in workers):
