@@ -246,9 +246,7 @@ class Recorder(TorchDispatchMode):
             group = self.slots[key[0]].group
             if group in self._external_groups:
                 reason = "side effect (writes a tensor the block did not produce)"
-                for slot in self.slots:
-                    if slot.group == group and slot.external is not None:
-                        slot.external.written = True
+                self._external_written(group)
             self.group_version[group] += 1
             self.group_writes.setdefault(group, []).append((self.group_version[group], index))
             node.writes.append(group)
@@ -334,6 +332,13 @@ class Recorder(TorchDispatchMode):
             finally:
                 stack.pop()
 
+    def _external_written(self, group: int) -> None:
+        """The block wrote this input, parameter or buffer: its earlier readers must not be replayed
+        (apply.py marks them)."""
+        for slot in self.slots:
+            if slot.group == group and slot.external is not None:
+                slot.external.written = True
+
     def _opaque_write(self, name: str, flat: list[Any]) -> None:
         """A call that wrote each of these tensors without saying so in its schema (eager c10d)."""
         index = len(self.nodes)
@@ -346,9 +351,7 @@ class Recorder(TorchDispatchMode):
             if group not in node.writes:  # one new version per storage, however many views were written
                 if group in self._external_groups:
                     node.force_save = "collective (writes a tensor the block did not produce)"
-                    for slot in self.slots:  # readers of its earlier value are held from forward (apply.py)
-                        if slot.group == group and slot.external is not None:
-                            slot.external.written = True
+                    self._external_written(group)
                 self.group_version[group] += 1
                 self.group_writes.setdefault(group, []).append((self.group_version[group], index))
                 node.writes.append(group)

@@ -106,9 +106,16 @@ def test_explicit_generator_draws_are_saved(monkeypatch):
     assert max_abs_diff(reference, run(GeneratorNoiseBlock)) > 0.0  # replay draws the next numbers
 
 
+def _as_kind(group, rank, kind):
+    """The thread rank's bare gloo backend, or (``process_group``) the ProcessGroup that init_process_group
+    and new_group give, whose collectives reach the dispatcher."""
+    if kind == "process_group":
+        return as_process_group(group, torch.distributed.HashStore(), rank, 2, prefix="pg")
+    return group
+
+
 def _collective_rank(rank, group, functional, kind="backend", how="dist"):
-    if kind == "process_group":  # as init_process_group and new_group give: collectives reach the dispatcher
-        group = as_process_group(group, torch.distributed.HashStore(), rank, 2, prefix="pg")
+    group = _as_kind(group, rank, kind)
     torch.manual_seed(0)
     model = Chain(lambda w: CollectiveBlock(w, group, functional, how))
     x = torch.randn(8, 32) + rank
@@ -144,8 +151,7 @@ def test_an_unrecorded_eager_collective_would_corrupt_gradients(monkeypatch, kin
 
 
 def _synced_buffer_rank(rank, group, kind):
-    if kind == "process_group":
-        group = as_process_group(group, torch.distributed.HashStore(), rank, 2, prefix="pg")
+    group = _as_kind(group, rank, kind)
     torch.manual_seed(rank)
     x = torch.randn(8, 32)
     grads = []
