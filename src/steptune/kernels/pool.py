@@ -288,7 +288,8 @@ class EvalPool:
                     self._template = Template(self.root, self._worker_env(), on_start=self._set_template)
                 except RuntimeError as exc:
                     self._template = None
-                    self._stop_forking(str(exc))
+                    if not self._closed:  # close() kills a template that is still importing
+                        self._stop_forking(str(exc))
                     return None
             return self._template
 
@@ -420,6 +421,9 @@ class EvalPool:
         for w in self.workers:
             w.thread.join(timeout=self.config.timeout_s + 10)
             w.stop()
+        starting = self._template  # still importing if no worker needed it: killed, not waited for (the
+        if starting is not None:  # thread that starts it holds the lock until it has imported)
+            starting.close()
         with self._template_lock:
             for template in [*self._retired, *filter(None, [self._template])]:
                 template.close()

@@ -139,6 +139,8 @@ class Template:
                 start_new_session=True,
             )
             theirs.close()
+            if self._stop.is_set():  # closed while Popen ran: close() may not have seen the process
+                raise RuntimeError("closed while starting")
             assert self.proc.stdout is not None
             ready = self.proc.stdout.readline()
             if not ready.startswith('{"template"'):
@@ -198,5 +200,9 @@ class Template:
         return worker
 
     def close(self) -> None:
+        """Stop the template (its workers die with it); one still importing is killed, not waited for."""
         self._stop.set()
+        proc = self.proc
+        if proc is not None and not self._started.is_set():
+            proc.kill()  # its thread is reading the ready line: EOF ends it
         self._thread.join(timeout=30)

@@ -138,6 +138,21 @@ def test_a_template_that_cannot_fork_falls_back_to_fresh_workers_with_a_warning(
         assert {psutil.Process(p).ppid() for p in pool.worker_pids()} == {os.getpid()}
 
 
+def test_a_pool_closed_while_its_template_imports_kills_it_without_waiting_or_warning(recwarn):
+    pool = EvalPool(PoolConfig(num_workers=1, timeout_s=30))
+    deadline = time.monotonic() + 10
+    while pool.template_pid is None:  # listed from when its process exists
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    template = pool.template_pid
+    t0 = time.monotonic()
+    pool.close()
+    took = time.monotonic() - t0
+    assert took < 1.5, f"close() waited {took:.2f} s for the template's imports"
+    assert not _running(template)
+    assert not [w for w in recwarn.list if issubclass(w.category, RuntimeWarning)]
+
+
 def _snapshot(pool):
     me = psutil.Process()
     procs = [p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
