@@ -294,6 +294,8 @@ class Elastic:
              "members": list(self.members), "state_from": source,
              "seconds": round(time.perf_counter() - t0, 4)}
         )  # fmt: skip
+        if isinstance(state, PeerState) and state.completed:  # behind the failed collective of a STEPPED step
+            self.recoveries[-1]["schedulers_stepped"] = list(state.completed)
         self._step = resume
         self._failed = False
 
@@ -344,6 +346,8 @@ def recovery_text(rec: dict[str, Any]) -> str:
     )
     if rec.get("state_from") is not None:
         text += f", state from rank {rec['state_from']}"
+    if rec.get("schedulers_stepped"):
+        text += f", stepped {', '.join(rec['schedulers_stepped'])} (its step() was behind the failure)"
     return text if rec.get("seconds") is None else f"{text}, in {rec['seconds']:.2f} s"
 
 
@@ -423,7 +427,7 @@ def toy_train(
     seed: int = 0, late_kills: list[list[int]] | None = None, stalls: list[list[float]] | None = None,
     sync_kills: list[list[int]] | None = None, sync_misses: list[list[int]] | None = None,
     agent_kills: list[list[int]] | None = None, ddp: str | None = None,
-    forward_kills: list[list[int]] | None = None, restore: str = "peer",
+    forward_kills: list[list[int]] | None = None, restore: str = "peer", lr_decay: float | None = None,
 ) -> dict[int, float]:  # fmt: skip
     """The loop of the module docstring on a small MLP (the tests' training function): every step a
     global batch of 24 items from ``seed`` and the step, this rank's share of it, AdamW. Fault injection
@@ -441,14 +445,16 @@ def toy_train(
     rank's mean loss (DDP's averaging; 24 items split evenly over 1-4 ranks give the same update). The
     ``kills`` and ``errors`` then strike before the backward, so the peers' backward all-reduce fails. The
     model has a buffer, which DDP broadcasts in each forward; ``forward_kills`` die before the forward, so
-    that broadcast fails on the peers. ``restore``: ``ctx.track``'s recovery mode."""
+    that broadcast fails on the peers. ``restore``: ``ctx.track``'s recovery mode. ``lr_decay``: a tracked
+    ``StepLR`` with that gamma, stepped at each step's very end (after the metric of ``late_kills``)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if ddp:
         model.register_buffer("steps_seen", torch.zeros(1))  # broadcast by DDP in every forward
     net = ctx.ddp(model, average=ddp == "mean") if ddp else model
-    ctx.track(model, opt, restore=restore)
+    sched = None if lr_decay is None else torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=lr_decay)
+    ctx.track(model, opt, *filter(None, [sched]), restore=restore)
     losses: dict[int, float] = {}
     while ctx.step < steps:
         with ctx.attempt():
@@ -486,6 +492,8 @@ def toy_train(
                 if [ctx.orig, ctx.step] in late_kills:
                     os.kill(os.getpid(), signal.SIGKILL)
                 ctx.all_reduce(torch.ones(1))  # a metric, after the update
+            if sched is not None:
+                sched.step()
     return losses
 
 

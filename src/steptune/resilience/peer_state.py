@@ -10,8 +10,11 @@ stands:
 
 - ``EXACT``: no parameter was written; restoring the buffers (and small objects) gives the step's start.
 - ``STEPPED``: every tracked optimizer stepped once (the gradients summed), nothing else wrote the
-  parameters, and a collective after that failed: its state is the end of the step (what ran after the
-  optimizer steps, such as an LR scheduler's step behind that collective, is not rerun).
+  parameters, and a collective after that failed: its state is the end of the step. What ran after the
+  optimizer steps is not rerun, with one exception: a tracked LR scheduler that stepped exactly once in
+  the previous step and has not stepped in this one (its ``step()`` was behind the failed collective) is
+  stepped once, so it does not stay one step behind (``completed`` names it). Without that evidence (a
+  failure in the first step seen, or a scheduler stepped per epoch) it is left as it is.
 - ``DIRTY``: parameters were written otherwise (checked before and after each optimizer step), or only
   some tracked optimizers stepped; this rank's state is of no use.
 
@@ -71,6 +74,11 @@ class PeerState:
         self._expect = 0  # the version sum the parameters should have: at the start, or after the last step
         self._dirty = False  # written outside an optimizer step
         self._start: tuple[int, list[list[torch.Tensor]], list[Any]] | None = None
+        self._scheds = [o for o in self._others if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
+        self._epochs: list[int] = []  # each scheduler's last_epoch at the recorded start
+        self._per_step = [False] * len(self._scheds)  # stepped exactly once in the last whole step
+        self.completed: list[str] = []
+        """The schedulers the last ``settle`` stepped for a ``STEPPED`` step (see the module doc)."""
 
     def close(self) -> None:
         """Remove the optimizer hooks (``Elastic.track`` called again replaces this state)."""
@@ -100,7 +108,10 @@ class PeerState:
         others = [copy.deepcopy(o.state_dict()) for o in self._others]
         self._steps = [0] * len(self._opts)
         self._expect, self._dirty = self._versions(), False
-        self._start = (step, buffers, others)
+        epochs = [s.last_epoch for s in self._scheds]
+        if self._start is not None and self._start[0] == step - 1:  # the step before ended whole
+            self._per_step = [now - then == 1 for now, then in zip(epochs, self._epochs, strict=True)]
+        self._start, self._epochs = (step, buffers, others), epochs
 
     def held_bytes(self) -> int:
         """Bytes of the tensors kept between steps (the buffers' clones, the small objects' state)."""
@@ -161,6 +172,7 @@ class PeerState:
         source = min(r for e, q, r in usable if (e, q) == (resume, best))
         if standing[1] == EXACT and self._start is not None:
             self.restore_start()  # the failed attempt's forward may have moved buffers
+        self.completed = self._complete_schedulers() if standing[1] == STEPPED else []
         needy = [r for r, s in enumerate(stands) if s != (resume, EXACT) and r != source]
         if rank == source:
             self._send(group, needy)
@@ -171,6 +183,15 @@ class PeerState:
                 o.load_state_dict(state)
         self.take(resume)
         return resume, (source if needy else None)
+
+    def _complete_schedulers(self) -> list[str]:
+        """Step each scheduler that steps once per step and has not in this ``STEPPED`` step."""
+        done = []
+        for sched, epoch, per_step in zip(self._scheds, self._epochs, self._per_step, strict=True):
+            if per_step and sched.last_epoch == epoch:
+                sched.step()
+                done.append(type(sched).__name__)
+        return done
 
     def _send(self, group: Any, needy: list[int]) -> None:
         if not needy:

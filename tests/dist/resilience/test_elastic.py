@@ -30,9 +30,9 @@ def _max_rel(losses, ref):
 
 
 @functools.cache
-def _reference(steps):
+def _reference(steps, lr_decay=None):
     """The failure-free trajectory: the same loop on one rank, in this process (no spawn)."""
-    return toy_train(Elastic(master_store(), 0, [0], timeout_s=5), steps)
+    return toy_train(Elastic(master_store(), 0, [0], timeout_s=5), steps, lr_decay=lr_decay)
 
 
 NO_FAULTS = (None, 0, None, None, None, None, None)  # toy_train's errors .. agent_kills
@@ -110,15 +110,19 @@ def test_a_death_after_the_optimizer_step_does_not_apply_the_update_twice(restor
     # redo stepped again on top (losses 1.2e-1 off). Snapshots restore the step's start; with peer
     # recovery every survivor stepped once, so step 2 counts as done and rank 0's state is the survivors'.
     # With 3 steps that was the last one: reading ctx.step recovers first, so no fourth step is run.
-    ref = _reference(steps)
-    res = launch(functools.partial(toy_train, restore=restore), 3, steps, None, None, 0, [[1, 2]])
+    # The LR scheduler steps after the failed metric: with peer recovery the survivors step it (it stepped
+    # once per step before), else it stayed one step behind from then on (losses 1.5e-3 off).
+    ref = _reference(steps, 0.7)
+    train = functools.partial(toy_train, restore=restore, lr_decay=0.7)
+    res = launch(train, 3, steps, None, None, 0, [[1, 2]])
     assert res["survivors"] == [0, 2], res
     for rank in (0, 2):
         assert sorted(res["results"][rank]) == list(range(steps)), res
         assert _max_rel(res["results"][rank], ref) <= 1e-5, res
         (rec,) = res["recoveries"][rank]
-        want = (3, 0) if restore == "peer" else (2, None)
-        assert (rec["failed_at_step"], rec["resume_step"], rec["state_from"]) == (2, *want), rec
+        want = (3, 0, ["StepLR"]) if restore == "peer" else (2, None, None)
+        got = (rec["failed_at_step"], rec["resume_step"], rec["state_from"], rec.get("schedulers_stepped"))
+        assert got == (2, *want), rec
 
 
 @pytest.mark.parametrize("restore", ["peer", "snapshot"])

@@ -182,3 +182,32 @@ def test_held_bytes_are_the_buffers_for_peer_and_two_whole_copies_for_snapshot()
     assert snaps.held_bytes() == 2 * one
     snaps.take(3)  # the start of step 2 was never taken: only step 3's is kept
     assert snaps.held_bytes() == one
+
+
+@pytest.mark.parametrize("history", ["per_step", "per_epoch", "first_step"])
+def test_a_scheduler_behind_the_failed_collective_of_a_stepped_step_is_stepped_if_it_steps_per_step(history):
+    # Every survivor stepped its optimizer in step 1, then a metric all-reduce failed before sched.step():
+    # step 1 counts as done, so a scheduler that stepped once in step 0 is stepped now (else it stays one
+    # step behind for the rest of the run). One that did not step in step 0 (stepped per epoch), or with no
+    # whole step seen, is left as it is.
+    nets = [_net() for _ in range(2)]
+
+    def rank_fn(rank, group):
+        model, opt, sched = nets[rank]
+        state = PeerState(model, opt, sched)
+        if history != "first_step":
+            state.take(0)
+            _train_step(model, opt)
+            if history == "per_step":
+                sched.step()
+        state.take(1)
+        _train_step(model, opt)
+        assert state.standing() == (2, STEPPED)
+        resume = state.settle(group, rank, 2, state.standing())
+        return resume, state.completed, sched.last_epoch, opt.param_groups[0]["lr"]
+
+    out = run_threads(rank_fn, 2)
+    if history == "per_step":
+        assert out == [((2, 0), ["StepLR"], 2, pytest.approx(1e-2 * 0.25))] * 2
+    else:
+        assert out == [((2, 0), [], 0, pytest.approx(1e-2))] * 2
