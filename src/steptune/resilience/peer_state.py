@@ -14,7 +14,8 @@ stands:
   optimizer steps is not rerun, with one exception: a tracked LR scheduler that stepped exactly once in
   the previous step and has not stepped in this one (its ``step()`` was behind the failed collective) is
   stepped once, so it does not stay one step behind (``completed`` names it). Without that evidence (a
-  failure in the first step seen, or a scheduler stepped per epoch) it is left as it is.
+  failure in the first step seen, or a scheduler stepped per epoch) it is left as it is, and so is
+  ``ReduceLROnPlateau``, whose step needs the user's metric.
 - ``DIRTY``: parameters were written otherwise (checked before and after each optimizer step), or only
   some tracked optimizers stepped; this rank's state is of no use.
 
@@ -74,8 +75,13 @@ class PeerState:
         self._expect = 0  # the version sum the parameters should have: at the start, or after the last step
         self._dirty = False  # written outside an optimizer step
         self._start: tuple[int, list[list[torch.Tensor]], list[Any]] | None = None
-        self._scheds = [o for o in self._others if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
-        self._epochs: list[int] = []  # each scheduler's last_epoch at the recorded start
+        lrs = torch.optim.lr_scheduler  # ReduceLROnPlateau's step needs the metric, which only the user has
+        self._scheds = [
+            o
+            for o in self._others
+            if isinstance(o, lrs.LRScheduler) and not isinstance(o, lrs.ReduceLROnPlateau)
+        ]
+        self._epochs: list[int | None] = []  # each scheduler's epoch at the recorded start
         self._per_step = [False] * len(self._scheds)  # stepped exactly once in the last whole step
         self.completed: list[str] = []
         """The schedulers the last ``settle`` stepped for a ``STEPPED`` step (see the module doc)."""
@@ -108,9 +114,10 @@ class PeerState:
         others = [copy.deepcopy(o.state_dict()) for o in self._others]
         self._steps = [0] * len(self._opts)
         self._expect, self._dirty = self._versions(), False
-        epochs = [s.last_epoch for s in self._scheds]
+        epochs = [_epoch(s) for s in self._scheds]
         if self._start is not None and self._start[0] == step - 1:  # the step before ended whole
-            self._per_step = [now - then == 1 for now, then in zip(epochs, self._epochs, strict=True)]
+            pairs = zip(epochs, self._epochs, strict=True)
+            self._per_step = [now is not None and then is not None and now - then == 1 for now, then in pairs]
         self._start, self._epochs = (step, buffers, others), epochs
 
     def held_bytes(self) -> int:
@@ -188,7 +195,7 @@ class PeerState:
         """Step each scheduler that steps once per step and has not in this ``STEPPED`` step."""
         done = []
         for sched, epoch, per_step in zip(self._scheds, self._epochs, self._per_step, strict=True):
-            if per_step and sched.last_epoch == epoch:
+            if per_step and _epoch(sched) == epoch:
                 sched.step()
                 done.append(type(sched).__name__)
         return done
@@ -220,6 +227,16 @@ class PeerState:
 
 CHUNK_BYTES = 64 << 20
 """Bytes per message of a state copy (each gloo operation waits at most the group's timeout)."""
+
+
+def _epoch(sched: Any) -> int | None:
+    """A scheduler's step count: ``last_epoch``, or its parts' common one (``ChainedScheduler`` has none of
+    its own), else None (not known: never stepped for the user)."""
+    epoch = getattr(sched, "last_epoch", None)
+    if isinstance(epoch, int):
+        return epoch
+    parts = {_epoch(s) for s in getattr(sched, "_schedulers", [])}
+    return parts.pop() if len(parts) == 1 else None
 
 
 class SettleFailed(RuntimeError):

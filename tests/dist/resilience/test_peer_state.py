@@ -184,30 +184,46 @@ def test_held_bytes_are_the_buffers_for_peer_and_two_whole_copies_for_snapshot()
     assert snaps.held_bytes() == one
 
 
-@pytest.mark.parametrize("history", ["per_step", "per_epoch", "first_step"])
-def test_a_scheduler_behind_the_failed_collective_of_a_stepped_step_is_stepped_if_it_steps_per_step(history):
+_SCHEDULERS = {
+    "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    "chained": lambda opt: torch.optim.lr_scheduler.ChainedScheduler(  # no last_epoch of its own
+        [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), torch.optim.lr_scheduler.ConstantLR(opt, 1.0, 9)]
+    ),
+    "plateau": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0),  # needs the metric
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "history"),
+    [("step", "per_step"), ("chained", "per_step"), ("plateau", "per_step"), ("step", "per_epoch"),
+     ("step", "first_step")],
+)  # fmt: skip
+def test_a_per_step_scheduler_behind_a_collective_that_failed_after_the_update_is_stepped(kind, history):
     # Every survivor stepped its optimizer in step 1, then a metric all-reduce failed before sched.step():
     # step 1 counts as done, so a scheduler that stepped once in step 0 is stepped now (else it stays one
-    # step behind for the rest of the run). One that did not step in step 0 (stepped per epoch), or with no
-    # whole step seen, is left as it is.
+    # step behind for the rest of the run). One that did not step in step 0 (stepped per epoch), with no
+    # whole step seen, or whose step needs the metric (ReduceLROnPlateau) is left as it is.
     nets = [_net() for _ in range(2)]
+    scheds = [_SCHEDULERS[kind](opt) for _, opt, _ in nets]
 
     def rank_fn(rank, group):
-        model, opt, sched = nets[rank]
+        model, opt, _ = nets[rank]
+        sched = scheds[rank]
         state = PeerState(model, opt, sched)
         if history != "first_step":
             state.take(0)
             _train_step(model, opt)
             if history == "per_step":
-                sched.step()
+                sched.step(*([1.0] if kind == "plateau" else []))
         state.take(1)
         _train_step(model, opt)
         assert state.standing() == (2, STEPPED)
         resume = state.settle(group, rank, 2, state.standing())
-        return resume, state.completed, sched.last_epoch, opt.param_groups[0]["lr"]
+        return resume, state.completed, opt.param_groups[0]["lr"]
 
     out = run_threads(rank_fn, 2)
-    if history == "per_step":
-        assert out == [((2, 0), ["StepLR"], 2, pytest.approx(1e-2 * 0.25))] * 2
+    if history == "per_step" and kind != "plateau":
+        name = type(scheds[0]).__name__
+        assert out == [((2, 0), [name], pytest.approx(1e-2 * 0.25))] * 2
     else:
-        assert out == [((2, 0), [], 0, pytest.approx(1e-2))] * 2
+        assert out == [((2, 0), [], pytest.approx(1e-2))] * 2
