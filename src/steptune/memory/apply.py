@@ -239,8 +239,13 @@ def _run_block(
         return pack_hook(frame, value, t, keep=len(recorder.packs) - 1 in keep)
 
     recorder.pack_fn = pack
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook), recorder.opaque_functions(), recorder:
-        out = forward(*args, **kwargs)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook), recorder.opaque_functions(), recorder:
+            out = forward(*args, **kwargs)
+    finally:
+        # pack -> recorder -> pack is a reference cycle: left in place it keeps the recorder's block inputs
+        # (activations, on the GPU) alive after backward until the cyclic collector runs
+        recorder.pack_fn = None
     if (recorder.inner_checkpoint or recorder.inner_hooks) and not state.warned_inner:
         state.warned_inner = True
         warnings.warn(_inner_hooks_message(name, recorder), stacklevel=3)
