@@ -25,6 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Run as `python benchmarks/gpu/<area>.py`, this folder is sys.path[0], and its kernels.py would shadow the
+# `kernels` package that transformers probes for (hub kernels): `import transformers` then fails. Drop it.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 import torch
 
 from steptune.kernels.pool import EvalPool, PoolConfig
@@ -102,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default=None, help="the server's model name (with --llm-url)")
     parser.add_argument(
-        "--search-wall", type=float, default=60.0, help="seconds per policy in the search part"
+        "--search-wall",
+        type=float,
+        default=60.0,
+        help="seconds per policy in the search part (0 skips it)",
     )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -164,7 +171,14 @@ def main(argv: list[str] | None = None) -> int:
                 "failed": [f"{r.verdict}: {r.reason[:200]}" for r in runs if r not in ok],
             }
             print(f"profile {name:28s} speedups {profiles[name]['speedups']}", flush=True)
-    search = _search_part(args)
+    if args.search_wall <= 0:
+        search: dict[str, Any] = {"skipped": "--search-wall 0"}
+    else:
+        try:
+            search = _search_part(args)
+        except ImportError as exc:  # the llm extra (starlette, uvicorn) is absent: keep the pool's results
+            search = {"skipped": f"missing package {exc.name!r} (pip install 'steptune[llm]')"}
+            print(f"search part skipped: {search['skipped']}", file=sys.stderr)
     out = {
         "search": search,
         "dry_run": args.dry_run,

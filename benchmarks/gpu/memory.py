@@ -28,7 +28,12 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+# Run as `python benchmarks/gpu/<area>.py`, this folder is sys.path[0], and its kernels.py would shadow the
+# `kernels` package that transformers probes for (hub kernels): `import transformers` then fails. Drop it.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
 
