@@ -154,6 +154,10 @@ def _sandbox_child(job: dict[str, Any], workdir: Path) -> None:
             STEPTUNE_KERNELS_BUILD=lim["build_dir"],
             # load_inline builds are cached per pool, so a profile run reuses its validation's build
             TORCH_EXTENSIONS_DIR=os.path.join(lim["build_dir"], "torch_extensions"),
+            # Triton resolved its home when the template imported it (as the pool's user): point its cache
+            # at the pool's build dir, which the candidate's uid can write, and which a profile run reuses
+            TRITON_HOME=lim["build_dir"],
+            TRITON_CACHE_DIR=os.path.join(lim["build_dir"], "triton_cache"),
         )
         if lim.get("core") is not None:
             with contextlib.suppress(OSError):
@@ -240,7 +244,9 @@ def _run(job: dict[str, Any], root: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        if os.geteuid() == 0:
+        # CUDA cannot initialise in a new PID namespace (cudaGetDeviceCount: error 304, seen on an H200):
+        # a CUDA job keeps the subreaper alone
+        if os.geteuid() == 0 and job.get("device", "cpu") != "cuda":
             _launch_in_pid_namespace(job, workdir)
         _sandbox_child(job, workdir)
     base_rss = _rss_bytes(os.getpid())
