@@ -240,7 +240,8 @@ def _run_block(
 
     recorder.pack_fn = pack
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook), recorder.opaque_functions(), recorder:
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook)
+        with hooks, recorder.opaque_functions(), recorder:
             out = forward(*args, **kwargs)
     finally:
         # pack -> recorder -> pack is a reference cycle: left in place it keeps the recorder's block inputs
