@@ -21,7 +21,9 @@ times are contention noise. Each microbatch therefore lasts the cost model's tim
 rank's injected slowdown x lognormal noise, scaled by ``time_scale`` to wall seconds. Real compute fills the
 first part of that interval and a sleep fills the rest. Observed times are measured around the block
 (``perf_counter``), so a slow real computation shows up too. With ``emulate=False`` the real times are used
-as they are (GPUs).
+as they are (GPUs). On CUDA those are CUDA events around the block (``RuntimeConfig.timing``): a host clock
+would read the kernels' launch, not their run. They are read at ``end_step``, which waits for them, so a
+microbatch costs no synchronization.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ class LinkFault(SlowFault):
 class RuntimeConfig:
     emulate: bool = True
     """Emulated device time (CPU boxes); False: real measured times (GPUs)."""
+    timing: str = "auto"
+    """How real times are taken when ``emulate`` is False: ``"cuda"`` (CUDA events on the current stream,
+    read at ``end_step``), ``"wall"`` (the host clock), or ``"auto"``: CUDA events once this process uses
+    CUDA, else the host clock."""
     time_scale: float = 0.01
     """Wall seconds per emulated device second."""
     noise_sigma: float = 0.05
@@ -160,6 +166,12 @@ class Runtime:
         self.rank, self.world = group.rank(), group.size()
         self.stage = stage
         self.config = config or RuntimeConfig()
+        if self.config.timing not in ("auto", "cuda", "wall"):
+            raise ValueError(
+                f"RuntimeConfig.timing must be 'auto', 'cuda' or 'wall', got {self.config.timing!r}"
+            )
+        if self.config.timing == "cuda" and not self.config.emulate and not torch.cuda.is_available():
+            raise ValueError("RuntimeConfig(timing='cuda') needs a CUDA device; use timing='wall' or 'auto'")
         self.faults = tuple(faults)
         self.link_faults = tuple(link_faults)
         checks: list[SlowFault] = [*self.faults, *self.link_faults]
@@ -176,6 +188,9 @@ class Runtime:
         self.reports: list[StepReport] = []
         self._rng = np.random.default_rng((self.config.seed, self.rank))
         self._samples: list[tuple[float, float, float]] = []  # (N, Q, observed device seconds)
+        # CUDA-event spans not read yet: (N, Q, share, start, end) and (modelled seconds, start, end)
+        self._pending: list[tuple[float, float, float, Any, Any]] = []
+        self._pending_comm: list[tuple[float, Any, Any]] = []
         self._tokens = 0
         self._last = time.perf_counter()
 
@@ -218,6 +233,15 @@ class Runtime:
         part = part or self.stage
         nominal = sum(part.time(lengths, p) for p in phases) * fraction
         share = nominal / sum(self.stage.time(lengths, p) for p in ("F", "B", "W"))
+        if self._cuda_timing():
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            n, q = features(lengths)
+            self._pending.append((n, q, share, start, end))
+            return
         t0 = time.perf_counter()
         yield
         if cfg.emulate:
@@ -239,6 +263,14 @@ class Runtime:
         ``ranks`` x noise: a ring or tree is paced by its slowest link. ``end_step`` gives the samples to
         a detector of their own; an alarm there is validated by ``probe_links``."""
         cfg = self.config
+        if self._cuda_timing():
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending_comm.append((seconds, start, end))
+            return
         t0 = time.perf_counter()
         yield
         if cfg.emulate:
@@ -298,6 +330,22 @@ class Runtime:
             time.sleep(seconds * self.config.time_scale)
 
     # -- the step boundary (safe point) --------------------------------------------------------------
+    def _cuda_timing(self) -> bool:
+        cfg = self.config
+        if cfg.emulate or cfg.timing == "wall":
+            return False
+        return cfg.timing == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+    def _read_events(self) -> None:
+        """Wait for this step's CUDA-event spans and turn them into samples (seconds)."""
+        for n, q, share, start, end in self._pending:
+            end.synchronize()
+            self._samples.append((n, q, start.elapsed_time(end) / 1e3 / share))
+        for seconds, start, end in self._pending_comm:
+            end.synchronize()
+            self._comm.append((seconds, start.elapsed_time(end) / 1e3))
+        self._pending, self._pending_comm = [], []
+
     def _gather(self) -> list[list[tuple[float, float, float]]]:
         counts = torch.tensor([float(len(self._samples))])
         every = [torch.zeros(1) for _ in range(self.world)]
@@ -327,6 +375,7 @@ class Runtime:
         """The safe point; ``tokens``: the step's global tokens when ``assign`` was not used."""
         if tokens is not None:
             self._tokens = tokens
+        self._read_events()  # on CUDA: the step's kernels have finished before the wall clock is read
         now = time.perf_counter()
         wall = (now - self._last) / (self.config.time_scale if self.config.emulate else 1.0)
         self._last = now

@@ -64,3 +64,78 @@ def test_link_localization_from_ring_probes():
     assert rt._localize([1.0, 1.02, 0.98, 1.05], 1.0) is None
     with pytest.raises(ValueError, match="factor"):
         Runtime(_Four(), stage_model(), link_faults=[LinkFault(rank=1, factor=0.0, start=0)])
+
+
+class _One:
+    """A one-rank group: enough for Runtime's all-gathers."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+    def allgather(self, outs, ins):
+        for out, inp in zip(outs[0], ins, strict=True):
+            out.copy_(inp)
+
+        class _Done:
+            def wait(self) -> None:
+                pass
+
+        return _Done()
+
+
+class _FakeEvent:
+    """A CUDA event on a fake device clock: work is queued (the clock moves), the host returns at once."""
+
+    device_now = 0.0
+    synced = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t: float | None = None
+
+    def record(self) -> None:
+        self.t = _FakeEvent.device_now
+
+    def synchronize(self) -> None:
+        _FakeEvent.synced += 1
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        assert self.t is not None and end.t is not None
+        return (end.t - self.t) * 1e3
+
+
+@pytest.mark.parametrize("timing", ["auto", "cuda", "wall"])
+def test_real_timing_on_cuda_reads_events_not_the_host_clock(monkeypatch, timing):
+    """With emulate=False on a GPU, the host clock around a block reads the kernels' launch (about 0 here),
+    not their run (0.5 s of device time): timed() takes CUDA events and end_step waits for them."""
+    import torch
+
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.runtime import Runtime, RuntimeConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    _FakeEvent.synced = 0
+    rt = Runtime(_One(), stage_model(), config=RuntimeConfig(emulate=False, timing=timing))
+    with rt.timed([512, 512]):
+        _FakeEvent.device_now += 0.5  # kernels queued: 0.5 s on the device, no host time
+    with rt.comm_timed(0.1):
+        _FakeEvent.device_now += 0.2
+    report = rt.end_step(tokens=1024)
+    if timing == "wall":
+        assert _FakeEvent.synced == 0 and report.rank_compute_s[0] < 0.05
+    else:
+        assert _FakeEvent.synced == 2 and report.rank_compute_s[0] == pytest.approx(0.5)
+        assert report.comm_s[0] == pytest.approx(0.2)
+        assert rt._pending == [] and rt._pending_comm == []
+
+
+def test_timing_is_checked():
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.runtime import Runtime, RuntimeConfig
+
+    with pytest.raises(ValueError, match="'auto', 'cuda' or 'wall'"):
+        Runtime(_One(), stage_model(), config=RuntimeConfig(timing="events"))
