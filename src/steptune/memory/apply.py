@@ -43,8 +43,9 @@ class TapeSACConfig:
     """Which modules are blocks: an FQN pattern (``"model.layers.*"``), a class name
     (``"Qwen3DecoderLayer"``), a tuple of classes, or None for HF ``GradientCheckpointingLayer``s."""
     save_ops: frozenset[str] = frozenset()
-    """Aten ops whose outputs are saved instead of replayed (``"aten.mm.default"``); empty means
-    replay-only. The memory planner (issue #4) chooses per-value save sets instead."""
+    """Aten ops whose outputs are saved instead of replayed: ``{"aten.mm.default"}``, ``"aten.mm"`` for
+    every overload, or ``torch.ops`` objects; unknown names are refused. Empty means replay-only. The
+    memory planner (issue #4) chooses per-value save sets instead."""
     save_fn: Callable[[OpNode], bool] | None = None
     """Advanced: decide per recorded node whether its outputs are saved."""
     reuse_tapes: bool = True
@@ -194,8 +195,64 @@ def _save_fn(config: TapeSACConfig) -> Callable[[OpNode], bool] | None:
         return config.save_fn
     if not config.save_ops:
         return None
-    names = frozenset(config.save_ops)
-    return lambda node: node.name in names
+    exact, packets = save_op_names(config.save_ops)
+    return lambda node: node.name in exact or node.name.rpartition(".")[0] in packets
+
+
+def save_op_names(save_ops: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """``TapeSACConfig.save_ops`` checked against the op registry: (overload names such as
+    ``"aten.mm.default"``, packet names such as ``"aten.mm"``, which stand for every overload).
+    Accepts names, ``torch.ops.aten.mm.default`` and ``torch.ops.aten.mm``; anything else is an error
+    that says what to write, since an unknown name would otherwise save nothing, silently."""
+    if isinstance(save_ops, str):
+        raise TypeError(
+            f"TapeSACConfig(save_ops={save_ops!r}) takes a collection of op names, not one string: "
+            f"write save_ops={{{save_ops!r}}}"
+        )
+    exact: set[str] = set()
+    packets: set[str] = set()
+    for op in save_ops:
+        if isinstance(op, torch._ops.OpOverload):
+            exact.add(str(op))
+            continue
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            packets.add(str(op))
+            continue
+        if not isinstance(op, str):
+            raise TypeError(
+                f"TapeSACConfig.save_ops holds {op!r} ({type(op).__name__}); use op names such as "
+                "'aten.mm.default' or torch.ops.aten.mm.default"
+            )
+        parts = op.split(".")
+        if len(parts) == 1:
+            known = hasattr(torch.ops.aten, op)
+            hint = (
+                f"'aten.{op}.default' (one overload) or 'aten.{op}' (every overload)"
+                if known
+                else ("a namespaced name such as 'aten.mm.default'")
+            )
+            raise ValueError(f"TapeSACConfig.save_ops: {op!r} names no op; write {hint}")
+        if len(parts) > 3:
+            raise ValueError(
+                f"TapeSACConfig.save_ops: {op!r} is not 'namespace.op' or 'namespace.op.overload'"
+            )
+        try:
+            packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        except (AttributeError, RuntimeError):
+            raise ValueError(
+                f"TapeSACConfig.save_ops: no op {parts[0]}.{parts[1]} is registered (names look like "
+                "'aten.mm.default'; custom ops must be registered before apply_tapesac_)"
+            ) from None
+        if len(parts) == 2:
+            packets.add(op)
+        elif parts[2] in packet.overloads():
+            exact.add(op)
+        else:
+            raise ValueError(
+                f"TapeSACConfig.save_ops: {parts[0]}.{parts[1]} has no overload {parts[2]!r}; it has "
+                f"{', '.join(packet.overloads())} ('{parts[0]}.{parts[1]}' for all of them)"
+            )
+    return frozenset(exact), frozenset(packets)
 
 
 def _run_block(

@@ -137,3 +137,32 @@ def test_an_hf_kv_cache_argument_warns_once_and_records_every_call():
     assert len([w for w in record if "TapeSAC" in str(w.message)]) == 1
     assert handle.stats.recorded == handle.stats.forwards == 2 * model.config.num_hidden_layers
     assert max_abs_diff(reference, got) == 0.0
+
+
+@pytest.mark.parametrize(
+    "ops", [{"aten.mm"}, {torch.ops.aten.mm.default}, {torch.ops.aten.mm}, ["aten.mm.default"]]
+)
+def test_save_ops_accepts_packets_and_op_objects(ops):
+    """'aten.mm' (every overload) and torch.ops objects save the same as 'aten.mm.default': before,
+    anything but the exact overload string saved nothing, silently."""
+    model = build_model("qwen3-tiny")
+    batch = make_batch("qwen3-tiny")
+    handle = apply_tapesac_(model, TapeSACConfig(save_ops=ops, count_flops=True))
+    grads(model, batch, "no_ac")
+    handle.remove()
+    assert handle.stats.replayed_flops == 0 and handle.stats.replayed_ops > 0
+
+
+@pytest.mark.parametrize(
+    ("ops", "error", "match"),
+    [
+        ("aten.mm.default", TypeError, r"not one string: write save_ops=\{'aten.mm.default'\}"),
+        ({"mm"}, ValueError, r"write 'aten.mm.default' \(one overload\) or 'aten.mm'"),
+        ({"aten.mmm.default"}, ValueError, "no op aten.mmm is registered"),
+        ({"aten.mm.defualt"}, ValueError, "has no overload 'defualt'; it has default"),
+        ({3}, TypeError, "holds 3"),
+    ],
+)
+def test_save_ops_that_would_save_nothing_are_refused(ops, error, match):
+    with pytest.raises(error, match=match):
+        apply_tapesac_(build_model("qwen3-tiny"), TapeSACConfig(save_ops=ops))
