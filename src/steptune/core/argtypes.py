@@ -14,6 +14,7 @@ __all__ = [
     "non_negative_float",
     "output_dir",
     "output_file",
+    "plot_file",
     "positive_float",
     "positive_int",
     "warn_ignored",
@@ -54,6 +55,22 @@ def output_file(text: str) -> Path:
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; give a file path inside it")
     _writable_ancestor(path.parent, text)
+    return path
+
+
+_PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
+"""What matplotlib's default backends write (a subset of ``FigureCanvasBase.get_supported_filetypes()``)."""
+
+
+def plot_file(text: str) -> Path:
+    """An ``output_file`` for a plot, checked before the run: its suffix must be an image format
+    matplotlib writes (a ``.txt`` path failed only after the whole run, with matplotlib's own error)."""
+    path = output_file(text)
+    if path.suffix.lower() not in _PLOT_SUFFIXES:
+        raise argparse.ArgumentTypeError(
+            f"{text}: a plot is written as {', '.join(s[1:] for s in _PLOT_SUFFIXES)}; "
+            f"give a path ending in .png, say {path.with_suffix('.png')}"
+        )
     return path
 
 

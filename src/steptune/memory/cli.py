@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import output_file, positive_int
+from steptune.core.argtypes import output_file, plot_file, positive_int
 
 __all__ = ["register"]
 
@@ -208,5 +208,5 @@ def register(sub: Any) -> None:
         )
         b.add_argument("--json", type=output_file, help="write the rows to this JSON file")
         if verb == "pareto":
-            b.add_argument("--out", type=output_file, default=Path("runs/memory_pareto.png"), help="PNG path")
+            b.add_argument("--out", type=plot_file, default=Path("runs/memory_pareto.png"), help="PNG path")
         b.set_defaults(func=_bench)

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import output_file, positive_float, positive_int, warn_ignored
+from steptune.core.argtypes import output_file, plot_file, positive_float, positive_int, warn_ignored
 
 __all__ = ["register"]
 
@@ -571,7 +571,7 @@ def register(sub: Any) -> None:
     run.add_argument("--json", type=output_file, default=None, help="with --compare: write the results here")
     run.add_argument(
         "--plot",
-        type=output_file,
+        type=plot_file,
         default=None,
         help="with --compare: a PNG of each run's step time, measured and as the simulator predicts it",
     )
@@ -657,7 +657,7 @@ def register(sub: Any) -> None:
     b.add_argument(
         "--json", type=output_file, required=True, help="where to write the rows, ratios and detector scores"
     )
-    b.add_argument("--plot", type=output_file, default=None, help="PNG of the ratios per scenario kind")
+    b.add_argument("--plot", type=plot_file, default=None, help="PNG of the ratios per scenario kind")
     b.set_defaults(func=_bench)
     sw = verbs.add_parser(
         "sweep", help="sensitivity to the failure rate, the fail-slow duration and the sequence-length spread"

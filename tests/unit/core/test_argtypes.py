@@ -9,6 +9,7 @@ from steptune.core.argtypes import (
     non_negative_float,
     output_dir,
     output_file,
+    plot_file,
     positive_float,
     positive_int,
     warn_ignored,
@@ -59,3 +60,12 @@ def test_options_that_do_not_apply_are_warned_of_only_when_set(capsys):
     assert warn_ignored(args, ["seeds"], "with --lane cpu") == []
     args = parser.parse_args(["resilience", "run", "--tp-policy", "uneven"])
     assert warn_ignored(args, ["tp_policy"], "without tp > 1") == ["--tp-policy"]
+
+
+def test_a_plot_path_needs_an_image_suffix_before_the_run(tmp_path):
+    assert plot_file(str(tmp_path / "p.PNG")) == tmp_path / "p.PNG"
+    with pytest.raises(argparse.ArgumentTypeError, match=r"ending in \.png, say .*p\.png"):
+        plot_file(str(tmp_path / "p.txt"))
+    with pytest.raises(SystemExit) as stop:  # memory pareto used to fail only after the whole run
+        build_parser().parse_args(["memory", "pareto", "--out", str(tmp_path / "p.txt")])
+    assert stop.value.code == 2
