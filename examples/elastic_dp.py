@@ -23,6 +23,7 @@ import time
 import torch
 from torch import nn
 
+from steptune.core.argtypes import positive_int
 from steptune.resilience.elastic import Elastic, launch, lost_reason, recovery_text
 
 
@@ -63,16 +64,30 @@ def train(
     return losses
 
 
+def _rank_step(text: str) -> tuple[int, int] | None:
+    """RANK:STEP (two non-negative integers), or 'none'."""
+    if text == "none":
+        return None
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP such as 2:7, or 'none'; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, default=4, help="processes to spawn (default 4)")
-    ap.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    ap.add_argument("--kill", default="2:7", help="RANK:STEP to SIGKILL, or 'none' (default 2:7)")
-    ap.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default 1)")
+    ap.add_argument("--ranks", type=positive_int, default=4, help="processes to spawn (default 4)")
+    ap.add_argument("--steps", type=positive_int, default=20, help="training steps (default 20)")
+    ap.add_argument(
+        "--kill", type=_rank_step, default="2:7", help="RANK:STEP to SIGKILL, or 'none' (default 2:7)"
+    )
+    ap.add_argument("--nnodes", type=positive_int, default=1, help="hosts in the job (default 1)")
     ap.add_argument("--node-rank", type=int, default=0, help="this host's index (default 0)")
     ap.add_argument("--master", default=None, help="HOST:PORT of node 0, or file:PATH (with --nnodes > 1)")
     ap.add_argument("--host", default="127.0.0.1", help="this host's address for gloo (default 127.0.0.1)")
-    ap.add_argument("--kill-host", default="none", help="RANK:STEP: that rank kills its host agent")
+    ap.add_argument(
+        "--kill-host", type=_rank_step, default="none", help="RANK:STEP: that rank kills its host agent"
+    )
     ap.add_argument(
         "--ddp", action="store_true", help="train under ctx.ddp (torch's DDP) instead of ctx.sync"
     )
@@ -80,8 +95,14 @@ def main() -> None:
         "--node-timeout", type=float, default=5.0, help="silent seconds that lose a host (default 5)"
     )
     args = ap.parse_args()
-    kill = None if args.kill == "none" else tuple(int(v) for v in args.kill.split(":"))
-    kill_host = None if args.kill_host == "none" else tuple(int(v) for v in args.kill_host.split(":"))
+    kill, kill_host = args.kill, args.kill_host
+    world = args.ranks * args.nnodes
+    for flag, value in (("--kill", kill), ("--kill-host", kill_host)):
+        if value is not None and (value[0] >= world or value[1] >= args.steps):
+            ap.error(
+                f"{flag} {value[0]}:{value[1]}: the job has ranks 0-{world - 1} and steps "
+                f"0-{args.steps - 1}, so it would never fire"
+            )
     ref = launch(train, 1, args.steps, None)["results"][0]
     nodes = {"nnodes": args.nnodes, "node_rank": args.node_rank, "master": args.master, "host": args.host,
              "node_timeout_s": args.node_timeout}  # fmt: skip

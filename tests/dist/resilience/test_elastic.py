@@ -86,6 +86,22 @@ def test_the_example_survives_its_kill():
     assert float(re.search(r"max relative difference (\S+);", out).group(1)) <= 1e-5, out
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--kill", "5:3"], "never fire"),  # was ignored: the job ran without a failure
+        (["--kill", "1:6"], "never fire"),
+        (["--kill", "abc"], "expected RANK:STEP"),  # was a traceback
+        (["--ranks", "0"], "must be >= 1"),
+    ],
+)
+def test_the_example_refuses_a_kill_that_cannot_happen(args, says):
+    script = Path(__file__).resolve().parents[3] / "examples" / "elastic_dp.py"
+    done = subprocess.run([sys.executable, str(script), "--steps", "6", *args], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_sync_sums_mixed_dtype_gradients_in_fp32_and_returns_each_in_its_dtype():
     ctx = Elastic(master_store(), 0, [0], timeout_s=5)
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1).to(torch.bfloat16))
