@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,8 +11,13 @@ from typing import Any
 
 __all__ = ["Table"]
 
+_PIPED_WIDTH = 200
+"""Console width when output is not a terminal and COLUMNS is unset (rich would assume 80)."""
+
 
 def _fmt(v: Any) -> str:
+    if v is None:  # not measured or not defined (a ratio over a baseline that trained nothing, say)
+        return "-"
     if isinstance(v, float):
         if v == 0 or 1e-3 <= abs(v) < 1e6:
             return f"{v:.4g}"
@@ -61,11 +67,14 @@ class Table:
         from rich.table import Table as RichTable
 
         t = RichTable(title=self.title)
-        for c in self.columns:
-            t.add_column(c)
+        for i, c in enumerate(self.columns):
+            t.add_column(c, no_wrap=i == 0)  # row names stay whole: they tell the rows apart
         for row in self.rows:
             t.add_row(*(_fmt(v) for v in row))
         console = Console()
+        if not console.is_terminal and "COLUMNS" not in os.environ:
+            # piped or redirected: rich would assume 80 columns and cut the names; a file has room
+            console = Console(width=_PIPED_WIDTH)
         console.print(t)
         for n in self.notes:
             console.print(f"  [dim]{n}[/dim]")

@@ -408,6 +408,26 @@ def run_cpu_lane(
     return out
 
 
+def _e2e_bound(name: str, r: dict[str, Any], seeds: int) -> tuple[str, str]:
+    """How to read a paired e2e ratio when runs were censored (counted as the budget): a lower bound when
+    only the baseline missed the target, an upper bound when only SpecGen did."""
+    base = r.get("censored_baseline", 0) - r.get("censored_both", 0)
+    spec = r.get("censored_specgen", 0) - r.get("censored_both", 0)
+    if base and not spec:
+        return (
+            ">=",
+            f" ({name} never reached the target in {base} of {seeds} seeds: e2e counted as the budget)",
+        )
+    if spec and not base:
+        return (
+            "<=",
+            f" (SpecGen never reached the target in {spec} of {seeds} seeds: e2e counted as the budget)",
+        )
+    if base and spec:
+        return "~", f" (censored both ways: {name} in {base}, SpecGen in {spec} of {seeds} seeds)"
+    return "", ""
+
+
 def _s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.2f} s"
 
@@ -452,8 +472,10 @@ def lane_table(report: dict[str, Any]) -> Any:
             )
     if sim:
         for name, r in report["ratios"].items():
+            bound, why = _e2e_bound(name, r, report["seeds"])
             t.notes.append(
-                f"SpecGen vs {name}: e2e {r['e2e']:.2f}x [{r['e2e_ci95'][0]:.2f}, {r['e2e_ci95'][1]:.2f}], "
+                f"SpecGen vs {name}: e2e {bound}{r['e2e']:.2f}x "
+                f"[{r['e2e_ci95'][0]:.2f}, {r['e2e_ci95'][1]:.2f}]{why}, "
                 f"feedback {r['feedback']:.2f}x [{r['feedback_ci95'][0]:.2f}, {r['feedback_ci95'][1]:.2f}], "
                 f"feedback latency {r['latency']:.2f}x "
                 f"[{r['latency_ci95'][0]:.2f}, {r['latency_ci95'][1]:.2f}]"

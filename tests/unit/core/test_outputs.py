@@ -92,3 +92,17 @@ def test_fsdp_step_overlap_and_prefetch():
     assert len([s for s in one.spans if s.category == "reduce-scatter"]) == m.num_layers
     with pytest.raises(ValueError, match="exceeds"):
         simulate_fsdp_step(m, c, FSDPStepConfig(num_gpus=1000))
+
+
+def test_a_piped_table_keeps_long_row_names_whole_and_shows_missing_values_as_a_dash(capsys, monkeypatch):
+    """Piped output got rich's 80 columns: 'strengthened-recycle' and 'strengthened-oobleck' were both cut to
+    'strengthene…' beside wide columns. A None printed as 'None'."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    tab = Table(title="T", columns=["policy", "home kinds", "max"])
+    for name in ("strengthened-recycle", "strengthened-oobleck"):
+        tab.add(name, "fail-slow-weak, fail-slow-medium, fail-slow-strong, fail-slow-link, mixed", None)
+    tab.print()  # capsys: not a terminal
+    out = capsys.readouterr().out
+    assert "strengthened-recycle" in out and "strengthened-oobleck" in out
+    assert "None" not in out and "│ -" in out
+    assert "| strengthened-recycle | fail-slow-weak" in tab.to_markdown() and "None" not in tab.to_markdown()

@@ -139,3 +139,23 @@ def test_cpu_lane_table_says_why_there_is_no_ratio_when_a_policy_got_no_feedback
     notes = " ".join(lane_table(report).notes)
     assert "no ratio: sequential got no profiling feedback in 3.0 s" in notes and "raise --wall" in notes
     assert "0.00x" not in notes
+
+
+@pytest.mark.parametrize(
+    ("base", "spec", "both", "says"),
+    [
+        (3, 0, 0, "e2e >=2.00x [1.50, 3.00] (sequential never reached the target in 3 of 5 seeds"),
+        (0, 2, 0, "e2e <=2.00x [1.50, 3.00] (SpecGen never reached the target in 2 of 5 seeds"),
+        (2, 2, 2, "e2e 2.00x [1.50, 3.00], "),  # censored together: 1.0 in those seeds, no bound to state
+        (0, 0, 0, "e2e 2.00x [1.50, 3.00], "),
+    ],
+)
+def test_a_censored_e2e_ratio_is_printed_as_a_bound(base, spec, both, says):
+    """A baseline that never reached the target counts its e2e as the budget: the ratio is a lower bound
+    and was printed as a plain measurement."""
+    ratio = {"e2e": 2.0, "e2e_ci95": [1.5, 3.0], "feedback": 1.0, "feedback_ci95": [1.0, 1.0], "latency": 1.0,
+             "latency_ci95": [1.0, 1.0], "censored_baseline": base, "censored_specgen": spec,
+             "censored_both": both}  # fmt: skip
+    report = {"lane": "sim", "seeds": 5, "policies": {}, "ratios": {"sequential": ratio}}
+    notes = " ".join(lane_table(report).notes)
+    assert says in notes, notes
