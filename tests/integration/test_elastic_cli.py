@@ -79,3 +79,12 @@ def test_a_file_shadowed_or_broken_and_misplaced_options_are_named(tmp_path, cap
     assert main(args) == 0
     assert "come after the target" in capsys.readouterr().err
     assert json.loads(out.read_text())["results"] == {"0": ["--nproc-per-node", "2"]}
+
+
+def test_no_survivors_lists_how_each_rank_ended(tmp_path, capsys):
+    """It said "their stderr says why", but a SIGKILLed rank writes no stderr."""
+    script = tmp_path / "elastic_cli_all_die.py"
+    script.write_text("import os, signal\n\ndef train(ctx):\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert main(["resilience", "elastic", "--nproc-per-node", "2", "--timeout", "60", f"{script}:train"]) == 1
+    err = capsys.readouterr().err
+    assert "no survivors" in err and "rank 0: killed by SIGKILL, rank 1: killed by SIGKILL" in err, err

@@ -327,11 +327,17 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
         if p.is_alive():
             p.kill()
     if len(finished) < len(alive) and alive:  # the deadline passed with ranks still running
+        running = sorted(r for r in alive if r not in finished)
         raise TimeoutError(
-            f"fail-stop run did not finish in {spec.get('timeout_s', 300)} s ({sorted(finished)} done)"
+            f"the run did not finish in {spec.get('timeout_s', 300)} s: ranks {running} were still running "
+            f"(finished: {sorted(finished) or 'none'}); raise the timeout if the job needs longer"
         )
     if not finished:
-        raise RuntimeError("every rank of the fail-stop run exited without finishing; their stderr says why")
+        endings = ", ".join(f"rank {r}: {_ending(p.exitcode)}" for r, p in sorted(procs.items()))
+        raise RuntimeError(
+            f"no survivors: every rank exited without finishing ({endings}). A rank that raised printed its "
+            "traceback above; one killed by a signal prints nothing"
+        )
     losses = next(iter(finished.values()))
     return {
         "info": infos[min(infos)],
@@ -382,3 +388,15 @@ def compare_failstop(
         "recovery": {m: r["info"] for m, r in runs.items() if m != "reference"},
         "losses": {"reference": ref, **{m: r["losses"] for m, r in runs.items()}},
     }
+
+
+def _ending(code: int | None) -> str:
+    """A rank process's exit code in words."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
