@@ -40,3 +40,12 @@ def test_simulate_one_policy_and_bad_input(tmp_path, capsys):
     bad.write_text("kind,device,start_s,duration_s,factor\nfail-stop,9999,1,inf,1\n")
     assert main(["resilience", "simulate", "--scenario", str(bad)]) == 2
     assert "not among the job's 256 devices" in capsys.readouterr().err
+    # a bad cell names its column; a slowdown where a speed belongs says which factor to write
+    bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,3,1,inf,x\nfail-slow,3,1,inf,1.6\n")
+    assert main(["resilience", "simulate", "--scenario", str(bad)]) == 2
+    assert ":2: column factor: expected a speed in (0, 1]" in capsys.readouterr().err
+    bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,3,1,inf,1.6\n")
+    assert main(["resilience", "simulate", "--scenario", str(bad)]) == 2
+    assert "a 1.6x slowdown is factor 0.625" in capsys.readouterr().err
+    assert main(["resilience", "simulate", "--scenario", str(tmp_path / "missing.csv")]) == 2
+    assert "missing.csv': no such file" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -77,9 +78,11 @@ def _simulate(args: argparse.Namespace) -> int:
             print(f"steptune resilience simulate: error: {e}", file=sys.stderr)
             return 2
     else:
+        looks_like_path = args.scenario.endswith(".csv") or os.sep in args.scenario
+        what = "no such file" if looks_like_path else "neither a CSV file nor a scenario name"
         print(
-            f"steptune resilience simulate: error: --scenario {args.scenario!r} is neither a CSV file nor "
-            f"one of {', '.join(KINDS)}",
+            f"steptune resilience simulate: error: --scenario {args.scenario!r}: {what}; give a CSV trace "
+            f"(kind,device,start_s,duration_s,factor) or one of {', '.join(KINDS)}",
             file=sys.stderr,
         )
         return 2

@@ -14,6 +14,9 @@ fail-slow statistics):
 CSV traces have one row per failure: ``kind,device,start_s,duration_s,factor`` (duration ``inf``
 for a fail-stop or a persistent fail-slow), as in Oobleck's simulator traces but per device, and an
 optional sixth column ``target`` ("compute" or "link"; written only when a trace has link fail-slows).
+``kind`` is ``fail-stop`` or ``fail-slow``. ``factor`` is the device's *speed* in (0, 1] (0.5 = half
+speed, a 2x slowdown; a fail-stop's is ignored, write 1), unlike ``--inject ...,factor=`` of the live
+runs, which is a slowdown >= 1. A fail-stop row: ``fail-stop,3,600,inf,1``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -122,6 +126,13 @@ def write_csv(failures: tuple[FailureEvent, ...] | list[FailureEvent], path: Pat
             w.writerow((f.kind, f.device, f.start_s, f.duration_s, f.factor) + ((f.target,) if links else ()))
 
 
+def _cell(column: str, text: str, convert: type, what: str) -> Any:
+    try:
+        return convert(text)
+    except ValueError:
+        raise ValueError(f"column {column}: expected {what}, got {text!r}") from None
+
+
 def read_csv(path: Path, *, num_devices: int | None = None) -> tuple[FailureEvent, ...]:
     """Failures from a CSV trace; a bad row raises ``ValueError`` naming the file and line."""
     rows = list(csv.reader(io.StringIO(read_text(path, "scenario CSV"), newline="")))
@@ -140,10 +151,12 @@ def read_csv(path: Path, *, num_devices: int | None = None) -> tuple[FailureEven
             kind, dev, start, dur, factor, *target = (x.strip() for x in row)
             ev = FailureEvent(
                 kind=kind,
-                device=int(dev),
-                start_s=float(start),
-                duration_s=float(dur),
-                factor=float(factor),
+                device=_cell("device", dev, int, "an integer"),
+                start_s=_cell("start_s", start, float, "seconds"),
+                duration_s=_cell("duration_s", dur, float, "seconds, or inf"),
+                factor=_cell(
+                    "factor", factor, float, "a speed in (0, 1]: 0.5 = half speed; 1 for a fail-stop"
+                ),
                 target=target[0] if target else "compute",
             )
         except ValueError as e:

@@ -105,7 +105,8 @@ class FailureEvent:
         if self.device < 0 or not 0 <= self.start_s < math.inf or not self.duration_s > 0:
             raise ValueError("failure needs device >= 0, a finite start_s >= 0 and duration_s > 0 (or inf)")
         if self.kind == "fail-slow" and not 0 < self.factor <= 1:
-            raise ValueError(f"fail-slow factor {self.factor} must lie in (0, 1] (0.5 = half speed)")
+            hint = f"; a {self.factor:g}x slowdown is factor {1 / self.factor:.4g}" if self.factor > 1 else ""
+            raise ValueError(f"fail-slow factor {self.factor} must lie in (0, 1] (0.5 = half speed){hint}")
 
     @property
     def end_s(self) -> float:
