@@ -300,7 +300,7 @@ def _run(job: dict[str, Any], root: Path) -> dict[str, Any]:
             out = {"verdict": "resource_limit", "reason": f"ran out of memory: {err}"}
         else:
             out = {"verdict": "crashed", "reason": why}
-    if leftovers:
+    if leftovers and not killed:  # after our kill, what is left is the candidate dying, not a daemon
         note = f"left {leftovers} process(es) running (killed)"
         if out.get("verdict") in ("correct", "incorrect"):
             out.update(verdict="rejected", reason=note)

@@ -56,6 +56,8 @@ def test_verdict_and_cleanup(pools, path):
         res = pool.submit("softmax", path.read_text(), kind="validate").result(timeout=60)
         assert res.verdict == want, f"{path.stem} ({key}): {res.verdict}: {res.reason}"
         assert res.reason or want == "correct"
+        if want in ("timeout", "resource_limit"):  # killed by us: its own dying process is no leftover
+            assert "left" not in res.reason, res.reason
         # nothing the candidate started survives: only the pool's own workers remain below us
         own = {*checked.worker_pids(), *runtime.worker_pids(), checked.template_pid, runtime.template_pid}
         assert _descendants() - before <= own
