@@ -123,3 +123,7 @@ def test_files_that_are_not_utf8_text_are_named(tmp_path, capsys):
     cand.write_bytes(b"import torch\n# \xfe\n")
     rc, err = _refused(["kernels", "eval", "--problem", "relu", "--candidate", str(cand)], capsys)
     assert rc == 2 and f"{cand}: not a UTF-8 text kernel candidate (byte 0xfe" in err, err
+    prob = tmp_path / "p.py"
+    prob.write_bytes(b"import torch\n# \xff\n")
+    rc, err = _refused(["kernels", "eval", "--problem", str(prob), "--candidate", str(cand)], capsys)
+    assert rc == 2 and f"{prob}: not a UTF-8 text problem file (byte 0xff" in err, err

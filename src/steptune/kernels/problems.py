@@ -26,6 +26,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from steptune.core.textfile import read_text
+
 if TYPE_CHECKING:  # torch loads where a tolerance is asked for: the CLI's help does not need it
     import torch
 
@@ -110,7 +112,7 @@ def load_problem(name_or_path: str | Path) -> Problem:
     if path.suffix == ".py" or path.exists():
         if not path.is_file():
             raise ValueError(f"problem file {text!r} not found")
-        return _parse(path.stem, path.read_text(), str(path))
+        return _parse(path.stem, read_text(path, "problem file"), str(path))
     builtin = BUILTIN_DIR / f"{text}.py"
     if not builtin.is_file():
         names = ", ".join(builtin_problems())
