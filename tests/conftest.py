@@ -25,6 +25,7 @@ os.environ.setdefault(START_METHOD_ENV, "forkserver")
 _SERIAL_DIRS = ("tests/dist/", "tests/integration/")
 _SERIAL_FILES = {
     "tests/unit/comm/test_gpu_script.py",
+    "tests/unit/core/test_gpu_scripts_run_as_scripts.py",  # a subprocess
     "tests/unit/core/test_lazy.py",  # a subprocess
     "tests/unit/core/test_start_context.py",  # a forkserver
     "tests/unit/kernels/test_adversarial.py",  # sandbox pools ...

@@ -205,7 +205,8 @@ def list_cluster_presets() -> list[str]:
 
 def _load(kind: str, name: str, known: list[str]) -> dict[str, Any]:
     if name not in known:
-        raise ValueError(f"unknown {kind} preset {name!r}; choose one of: {', '.join(known)}")
+        what = kind.removesuffix("s")  # "models" -> "model"
+        raise ValueError(f"unknown {what} preset {name!r}; choose one of: {', '.join(known)}")
     text = _preset_dir(kind).joinpath(f"{name}.toml").read_text()
     data: dict[str, Any] = tomllib.loads(text)
     return data
@@ -221,6 +222,8 @@ def model_preset(
     """
     from steptune.core._builders import build_model
 
+    if seq_len is not None and seq_len <= 0:
+        raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len}")
     data = _load("models", name, list_model_presets())
     if overrides:
         unknown = sorted(set(overrides) - set(data))

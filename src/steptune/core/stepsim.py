@@ -32,6 +32,19 @@ class FSDPStepConfig:
     grad_bytes: int = 2
     """Bytes per gradient element on the wire (2: bf16 reduce, 4: fp32 reduce)."""
 
+    def __post_init__(self) -> None:
+        if self.num_gpus < 1 or self.tokens_per_gpu < 1 or self.prefetch < 0:
+            raise ValueError(
+                f"FSDPStepConfig needs num_gpus >= 1, tokens_per_gpu >= 1 and prefetch >= 0; got "
+                f"num_gpus={self.num_gpus}, tokens_per_gpu={self.tokens_per_gpu}, prefetch={self.prefetch}"
+            )
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(
+                f"FSDPStepConfig.efficiency: a fraction of peak in (0, 1], got {self.efficiency}"
+            )
+        if self.grad_bytes not in (1, 2, 4):
+            raise ValueError(f"FSDPStepConfig.grad_bytes: 1, 2 or 4 (fp8, bf16, fp32), got {self.grad_bytes}")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FSDPStepResult:

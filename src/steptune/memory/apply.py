@@ -67,6 +67,17 @@ def find_blocks(
     model: nn.Module, blocks: str | tuple[type[nn.Module], ...] | None
 ) -> list[tuple[str, nn.Module]]:
     """The (FQN, module) pairs ``blocks`` selects, outermost only."""
+    if isinstance(blocks, type):  # one class: the same as a tuple of it
+        blocks = (blocks,)
+    elif isinstance(blocks, list):
+        blocks = tuple(blocks)
+    ok = blocks is None or isinstance(blocks, str)
+    ok = ok or (isinstance(blocks, tuple) and all(isinstance(c, type) for c in blocks))
+    if not ok:
+        raise TypeError(
+            f"TapeSACConfig(blocks={blocks!r}): give an FQN pattern ('model.layers.*'), a class name "
+            "('Qwen3DecoderLayer'), block classes ((Qwen3DecoderLayer,)), or None for HF decoder layers"
+        )
     picked: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if any(name.startswith(p + ".") for p, _ in picked):

@@ -113,3 +113,19 @@ def test_cluster_presets():
     assert cluster_preset("gb200-nvl72").gpus_per_node == 72
     with pytest.raises(ValueError):
         a.with_nodes(0)
+
+
+def test_presets_and_step_configs_refuse_what_cannot_be_simulated():
+    import pytest
+
+    from steptune.core.specs import model_preset
+    from steptune.core.stepsim import FSDPStepConfig
+
+    with pytest.raises(ValueError, match="unknown model preset 'nope'"):  # said "unknown models preset"
+        model_preset("nope")
+    with pytest.raises(ValueError, match="seq_len must be a positive"):  # 0 was taken as "the default"
+        model_preset("llama2-7b", seq_len=0)
+    with pytest.raises(ValueError, match="num_gpus >= 1"):
+        FSDPStepConfig(num_gpus=0)
+    with pytest.raises(ValueError, match=r"efficiency: a fraction of peak in \(0, 1\]"):
+        FSDPStepConfig(num_gpus=8, efficiency=50)

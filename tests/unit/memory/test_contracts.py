@@ -165,3 +165,13 @@ def test_a_recorded_step_frees_its_activations_without_the_cyclic_collector(reus
     finally:
         gc.enable()
     assert len(inputs) == 4 and alive == []
+
+
+def test_blocks_takes_a_class_or_list_and_refuses_anything_else():
+    model = _model()
+    for blocks in (DenseBlock, [DenseBlock]):
+        handle = apply_tapesac_(model, TapeSACConfig(blocks=blocks))
+        assert len(handle.blocks) == 2
+        handle.remove()
+    with pytest.raises(TypeError, match=r"blocks=123\): give an FQN pattern"):  # was "int is not iterable"
+        apply_tapesac_(model, TapeSACConfig(blocks=123))
