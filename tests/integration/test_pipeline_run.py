@@ -41,7 +41,9 @@ def test_run_tiny_decoder_on_two_ranks_checks_gradients_and_torch(tmp_path, caps
     report = json.loads(out.read_text())
     assert report["grad_max_rel_diff"] <= 1e-6
     assert report["measured_step_s"] > 0 and report["torch_runtime_step_s"] > 0
-    assert "measured_step_s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "our executor, step time (median of 1)" in printed and "torch.distributed.pipelining" in printed
+    assert "x ours" in printed and "MEASURED" in printed
 
 
 def test_run_refuses_a_rank_count_mismatch_and_missing_partition(tmp_path, capsys):

@@ -187,6 +187,14 @@ def _deps(tape: Tape, key: ValueKey) -> list[int]:
     return [n for n in nodes if tape.nodes[n].force_save is None]
 
 
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (1 KiB is not '0.0 MiB')."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def plan_saves(
     profiles: dict[Any, BlockProfile],
     peak: PeakModel,
@@ -213,9 +221,9 @@ def plan_saves(
     if limit < floor:
         smallest = min(floor, free_floor) if free_floor is not None else floor
         raise ValueError(
-            f"no plan fits a peak limit of {limit / 2**20:.1f} MiB: replaying everything already peaks at "
-            f"{floor / 2**20:.1f} MiB (static memory, block inputs and the replay working set); raise the "
-            f"limit to at least {smallest} bytes"
+            f"no plan fits a peak limit of {_size(limit)}: replaying everything already peaks at "
+            f"{_size(floor)} (static memory, block inputs and the replay working set); raise the "
+            f"limit to at least {smallest} bytes ({_size(smallest)})"
         )
     return _plan(profiles, peak, limit, solver, time_limit_s, False, start)
 

@@ -188,9 +188,10 @@ def write_bench(result: dict[str, Any], json_path: Path) -> list[Path]:
             r["tuner_seconds"],
             r["memory_ok"],
         )
+    geo = result["geomean_speedup_heterogeneous"]
     table.notes.append(
-        f"geomean speedup over the best anchor, heterogeneous configs: "
-        f"{result['geomean_speedup_heterogeneous']}"
+        "geomean speedup over the best anchor, heterogeneous configs: "
+        + ("- (no heterogeneous config had an anchor)" if geo is None else f"{geo:.3f}x")
     )
     md = json_path.with_suffix(".md")
     md.write_text(table.to_markdown())

@@ -53,7 +53,13 @@ def _trace(args: argparse.Namespace) -> int:
     )
     for name, found in alarms.items():
         table.add(name, len(found), len({a.unit for a in found}))
-    table.notes.append(f"trace statistics: {stats}")
+    table.notes.append(
+        f"trace: {stats.num_ranks} ranks x {stats.num_steps} steps; "
+        f"step time mean {stats.step_time_mean:.2f} s, "
+        f"CV {stats.step_time_cv:.3f}, slowest/median {stats.step_max_over_median:.2f}, "
+        f"{stats.frac_steps_over_1p1:.0%} of steps over 1.1x the median; forward-compute CV "
+        f"{stats.forward_cv:.2f} per microbatch, {stats.forward_rank_cv:.2f} across ranks per step"
+    )
     table.print()
     return 0
 

@@ -74,8 +74,10 @@ def test_keeping_one_value_eliminates_every_producer_needed_only_for_it(setup):
 
 def test_a_limit_below_the_floor_says_the_smallest_feasible_one(setup):
     _, _, profiles, peak_model, floor, _ = setup
-    with pytest.raises(ValueError, match=r"raise the limit to at least \d+ bytes"):
+    with pytest.raises(ValueError, match=r"raise the limit to at least \d+ bytes \(\d+\.\d (KiB|MiB)\)"):
         plan_saves(profiles, peak_model, floor // 2)
+    with pytest.raises(ValueError, match=r"a peak limit of 1\.0 KiB"):  # printed "0.0 MiB"
+        plan_saves(profiles, peak_model, 1024)
 
 
 def test_a_plan_is_reused_across_steps_without_recording(setup):
