@@ -234,13 +234,9 @@ class Runtime:
         nominal = sum(part.time(lengths, p) for p in phases) * fraction
         share = nominal / sum(self.stage.time(lengths, p) for p in ("F", "B", "W"))
         if self._cuda_timing():
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            n, q = features(lengths)
-            self._pending.append((n, q, share, start, end))
+            with self._events() as span:
+                yield
+            self._pending.append((*features(lengths), share, *span))
             return
         t0 = time.perf_counter()
         yield
@@ -264,12 +260,9 @@ class Runtime:
         a detector of their own; an alarm there is validated by ``probe_links``."""
         cfg = self.config
         if self._cuda_timing():
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._pending_comm.append((seconds, start, end))
+            with self._events() as span:
+                yield
+            self._pending_comm.append((seconds, *span))
             return
         t0 = time.perf_counter()
         yield
@@ -335,6 +328,15 @@ class Runtime:
         if cfg.emulate or cfg.timing == "wall":
             return False
         return cfg.timing == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+    @contextlib.contextmanager
+    def _events(self) -> Iterator[list[Any]]:
+        """CUDA events on the current stream around the block; the list holds (start, end) after it."""
+        span: list[Any] = [torch.cuda.Event(enable_timing=True)]
+        span[0].record()
+        yield span
+        span.append(torch.cuda.Event(enable_timing=True))
+        span[1].record()
 
     def _read_events(self) -> None:
         """Wait for this step's CUDA-event spans and turn them into samples (seconds)."""
