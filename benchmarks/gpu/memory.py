@@ -107,19 +107,29 @@ def peak_of(
 ) -> dict[str, Any]:
     """Peak allocated bytes of one step, gradients allocated beforehand (CUDA allocator on GPU,
     torch's MemTracker on CPU)."""
-    from steptune.memory.measure import measure_peak
+    from steptune.memory.measure import head_peak_probe, measure_peak
 
+    head: list[int] = []
     if not cuda:
-        peak, static = measure_peak(model, batch, policy, plans=plans)
-        return {"peak_bytes": peak, "step_peak_above_start_bytes": peak - static}
+        peak, static = measure_peak(model, batch, policy, plans=plans, head=head)
+        return {"peak_bytes": peak, "step_peak_above_start_bytes": peak - static, "head_peak_bytes": head[0]}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     row: dict[str, Any] = {}
-    with apply_policy(model, policy, None, plans.get(policy)) as handle:
+    probe = head_peak_probe(model, None, torch.cuda.max_memory_allocated, head)
+    with apply_policy(model, policy, None, plans.get(policy)) as handle, probe:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        step(model, batch)
+        loss = model(**batch).loss
+        torch.cuda.synchronize()
+        # what the forward leaves for backward (kept values, block inputs, logits): with the predicted
+        # kept bytes of planned rows, this says which part of the peak model is off
+        row["after_forward_bytes"] = torch.cuda.memory_allocated() - before
+        row["forward_peak_above_start_bytes"] = torch.cuda.max_memory_allocated() - before
+        loss.backward()
+        del loss
+        row["head_peak_bytes"] = head[0] if head else None
         torch.cuda.synchronize()
         row["peak_bytes"] = torch.cuda.max_memory_allocated()
         row["step_peak_above_start_bytes"] = row["peak_bytes"] - before
@@ -128,6 +138,16 @@ def peak_of(
             row["recorded_forwards"] = handle.stats.recorded
     model.zero_grad(set_to_none=True)
     return row
+
+
+def _kept(plan: Any, profiles: dict[Any, Any]) -> int:
+    """The plan's kept bytes over all blocks, as the peak model counts them (the last block apart when
+    it keeps everything)."""
+    free = plan.last_block is not None
+    return sum(
+        b.kept_bytes * (profiles[k].num_blocks - (free and profiles[k].has_last))
+        for k, b in plan.blocks.items()
+    )
 
 
 def measure_model(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -150,7 +170,8 @@ def measure_model(name: str, args: argparse.Namespace, device: torch.device) -> 
     profiles = profile_model(model, batch)
     plans["tapesac_plan"] = last_free_plan(profiles)
     last_free = peak_of(model, batch, "tapesac_plan", plans, cuda)["peak_bytes"]
-    peak_model = calibrate(profiles, rows["tapesac_replay"]["peak_bytes"], last_free)
+    replay = rows["tapesac_replay"]
+    peak_model = calibrate(profiles, replay["peak_bytes"], last_free, replay["head_peak_bytes"])
     out["profile_s"] = time.perf_counter() - t0
     # PyTorch's auto-SAC decision model (reproduced, steptune.memory.autosac) on the op costs
     # just measured on this device, at three fractions of the block's op memory.
@@ -174,6 +195,7 @@ def measure_model(name: str, args: argparse.Namespace, device: torch.device) -> 
         rows[label].update(
             limit_bytes=limit,
             predicted_peak_bytes=plan.predicted_peak,
+            predicted_kept_bytes=_kept(plan, profiles),
             solve_s=plan.solve_s,
             last_block=plan.last_block,
         )

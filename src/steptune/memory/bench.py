@@ -61,12 +61,14 @@ def run_bench(
 
     def measure(policy: str, plans: dict[str, Any] | None = None) -> dict[str, Any]:
         say(f"peak and gradients: {policy}")
-        peak, _ = measure_peak(model, batch, policy, plans=plans)
+        head: list[int] = []
+        peak, _ = measure_peak(model, batch, policy, plans=plans, head=head)
         work = measure_work(model, batch, policy, plans=plans)
         diff = max_abs_diff(reference, single_thread(grads, model, batch, policy, None, plans))
         return {
             "policy": policy,
             "peak_bytes": peak,
+            "head_peak_bytes": head[0] if head else None,
             "grad_max_abs_diff": diff,
             "replayed_flops": work.backward_flops - base_work.backward_flops,
             "replayed_ops": work.backward_ops - base_work.backward_ops,
@@ -84,7 +86,8 @@ def run_bench(
     last_free, _ = measure_peak(
         model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}
     )
-    peak_model = calibrate(profiles, rows["tapesac_replay"]["peak_bytes"], last_free)
+    replay = rows["tapesac_replay"]
+    peak_model = calibrate(profiles, replay["peak_bytes"], last_free, replay["head_peak_bytes"])
     floor, top = rows["tapesac_replay"]["peak_bytes"], rows["no_ac"]["peak_bytes"]
     limits = {int(floor + f * (top - floor)) for f in fractions}
     limits.add(int((rows["full_ac"]["peak_bytes"] + top) / 2))  # the "halfway" limit

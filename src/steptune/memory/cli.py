@@ -67,11 +67,12 @@ def _plan(args: argparse.Namespace) -> int:
     model = build_model(args.model)
     batch = make_batch(args.model, batch=args.batch, seq=args.seq)
     profiles = single_thread(profile_model, model, batch)
-    floor, _ = measure_peak(model, batch, "tapesac_replay")
+    head: list[int] = []
+    floor, _ = measure_peak(model, batch, "tapesac_replay", head=head)
     last_free, _ = measure_peak(
         model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}
     )
-    peak_model = calibrate(profiles, floor, last_free)
+    peak_model = calibrate(profiles, floor, last_free, head[0] if head else None)
     if value <= 1.0:
         top, _ = measure_peak(model, batch, "no_ac")
         limit = int(floor + value * (top - floor))

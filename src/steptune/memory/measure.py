@@ -39,6 +39,7 @@ __all__ = [
     "Work",
     "apply_policy",
     "grads",
+    "head_peak_probe",
     "max_abs_diff",
     "measure_peak",
     "measure_work",
@@ -184,10 +185,12 @@ def measure_peak(
     policy: str,
     blocks: Any = None,
     plans: Mapping[str, Any] | None = None,
+    head: list[int] | None = None,
 ) -> tuple[int, int]:
     """``(peak, static)`` bytes of one forward+backward by torch's ``MemTracker`` (all live
     storages). Gradients are allocated before the step, as a training loop's are after its first
-    step, so ``peak - static`` is the step's activation and temporary peak."""
+    step, so ``peak - static`` is the step's activation and temporary peak. ``head``, if given,
+    receives the peak before the last block's backward (see :func:`head_peak_probe`)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     for p in model.parameters():
@@ -199,11 +202,38 @@ def measure_peak(
     with apply_policy(model, policy, blocks, (plans or {}).get(policy)):
         tracker = MemTracker()
         tracker.track_external(model, *batch.values())
-        with tracker:
+
+        def so_far() -> int:
+            return max(int(d["Total"]) for d in tracker.get_tracker_snapshot("peak").values())
+
+        probe = head_peak_probe(model, blocks, so_far, head) if head is not None else contextlib.nullcontext()
+        with tracker, probe:
             _loss(model, batch).backward()
         snapshot = tracker.get_tracker_snapshot("peak")
     model.zero_grad(set_to_none=True)
     return max(int(per_device["Total"]) for per_device in snapshot.values()), sum(storages.values())
+
+
+@contextlib.contextmanager
+def head_peak_probe(
+    model: nn.Module, blocks: Any, read_peak: Callable[[], int], out: list[int]
+) -> Iterator[None]:
+    """Append to ``out`` the peak so far (``read_peak()``) when the gradient reaches the last block's
+    output: the forward, the loss and the head's backward are done, and no block has replayed yet.
+    The step peak can sit there (a large vocabulary's logits) rather than in a block's backward, and
+    then keeping a value does not shrink it by the replay it saves (the peak model's ``head``)."""
+    last = find_blocks(model, blocks)[-1][1]
+
+    def on_output(_module: nn.Module, _args: Any, output: Any) -> None:
+        t = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda grad: out.append(read_peak()))
+
+    handle = last.register_forward_hook(on_output)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _static_tensors(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:

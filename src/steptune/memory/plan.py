@@ -46,6 +46,11 @@ class PeakModel:
     base_last_free: int | None = None
     """The same, calibrated by a measured replay-only step whose last block keeps everything
     (the peak may then move to the end of forward); None when not measured."""
+    head: int | None = None
+    """The replay-only step's peak before any block replays (forward, loss and the head's backward;
+    :func:`steptune.memory.measure.head_peak_probe`). Kept values are alive there too, but no replay
+    working set: where this phase holds the peak (a large vocabulary), keeping a value costs its whole
+    size. None: not measured (the prediction then assumes the peak is in a block's backward)."""
 
     def predict(
         self,
@@ -59,13 +64,15 @@ class PeakModel:
             for k, p in profiles.items()
         )
         work = max(working_set(p, keeps.get(k, frozenset())) for k, p in profiles.items())
+        head = -1 if self.head is None else self.head + kept
         if not last_free:
-            return self.base + kept + work
+            return max(self.base + kept + work, head)
         if self.base_last_free is None:
             raise ValueError(
                 "this peak model was not calibrated with the last block kept; pass last_free_peak"
             )
-        return self.base_last_free + kept + max(work, _last_packed(profiles))
+        last = _last_packed(profiles)
+        return max(self.base_last_free + kept + max(work, last), head + last if self.head is not None else -1)
 
 
 def _last_packed(profiles: dict[Any, BlockProfile]) -> int:
@@ -81,14 +88,18 @@ def last_free_plan(profiles: dict[Any, BlockProfile]) -> SavePlan:
 
 
 def calibrate(
-    profiles: dict[Any, BlockProfile], measured_replay_only_peak: int, last_free_peak: int | None = None
+    profiles: dict[Any, BlockProfile],
+    measured_replay_only_peak: int,
+    last_free_peak: int | None = None,
+    head_peak: int | None = None,
 ) -> PeakModel:
-    """``last_free_peak``: the measured peak under :func:`last_free_plan` (optional)."""
+    """``last_free_peak``: the measured peak under :func:`last_free_plan` (optional); ``head_peak``:
+    the replay-only step's peak before any block replays (optional; ``measure_peak(..., head=out)``)."""
     work = max(working_set(p, frozenset()) for p in profiles.values())
     base_last = None
     if last_free_peak is not None:
         base_last = last_free_peak - max(work, _last_packed(profiles))
-    return PeakModel(base=measured_replay_only_peak - work, base_last_free=base_last)
+    return PeakModel(base=measured_replay_only_peak - work, base_last_free=base_last, head=head_peak)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,5 +37,6 @@ def test_dry_run_measures_every_anchor_and_planned_point_on_both_models(tmp_path
         assert fixed | {"tapesac_replay", "torch_auto_sac@0.10", "torch_auto_sac@0.50"} <= set(rows)
         planned = [r for name, r in rows.items() if name.startswith("tapesac_plan@")]
         assert planned and all(r["predicted_peak_bytes"] > 0 for r in planned)
+        assert all(0 <= r["predicted_kept_bytes"] <= r["predicted_peak_bytes"] for r in planned)
         assert all(r["grad_max_abs_diff"] == 0.0 for r in rows.values())  # bf16, deterministic CPU kernels
         assert all(r["step_time_s"] > 0 for r in rows.values())
