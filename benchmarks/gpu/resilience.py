@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -300,6 +301,42 @@ def detector_study(args: argparse.Namespace, rig: Rig) -> dict[str, Any]:
     return out
 
 
+def runtime_study(args: argparse.Namespace, rig: Rig, steps: int = 6) -> dict[str, Any]:
+    """``Runtime(emulate=False)`` timing real microbatches on a one-rank gloo group: what ``timed`` records
+    (CUDA events once CUDA is in use, read at ``end_step``) against a wall clock synchronized around the
+    same microbatch. Before the events, the host clock read the kernels' launch: a ratio far below 1."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.runtime import Runtime, RuntimeConfig
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=60))
+    rt = Runtime(group, stage_model(), RuntimeConfig(emulate=False))
+    lengths = [args.detect_budget // 2] * 2
+    recorded, synced = [], []
+    for _ in range(steps):
+        x = torch.randn(sum(lengths), rig.shape.hidden, device=rig.dev, dtype=rig.dtype, requires_grad=True)
+        rig.model.zero_grad(set_to_none=True)
+        if rig.dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with rt.timed(lengths):
+            run_mb(rig.model, x, lengths, rig.attn, backward=True)
+        if rig.dev.type == "cuda":
+            torch.cuda.synchronize()
+        synced.append(time.perf_counter() - t0)
+        recorded.append(rt.end_step(tokens=sum(lengths)).rank_compute_s[0])
+    ratios = [r / w for r, w in zip(recorded[1:], synced[1:], strict=True)]  # the first warms up
+    return {
+        "timing": "cuda events" if rt._cuda_timing() else "host clock",
+        "recorded_s": recorded,
+        "synced_wall_s": synced,
+        "recorded_over_synced_median": statistics.median(ratios),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
@@ -376,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     result["predictor"] = predictor_study(args, rig)
     print("detector study ...", flush=True)
     result["detector"] = detector_study(args, rig)
+    print("runtime timing ...", flush=True)
+    result["runtime_timing"] = runtime_study(args, rig)
     result["wall_s"] = time.perf_counter() - t0
     with open(args.json, "w") as fh:
         json.dump(

@@ -30,3 +30,6 @@ def test_dry_run_writes_predictor_and_detector_figures(tmp_path: Path) -> None:
     for name in ("resihp", "fixed-threshold", "change-point"):
         assert {"alarms", "false_alarms", "detected", "latency_steps"} <= set(det[name])
     assert det["measured_slowdown_median"] > 0 and det["steps"] == 24
+    rt = res["runtime_timing"]  # Runtime(emulate=False) against a synchronized wall clock
+    assert rt["timing"] == "host clock" and len(rt["recorded_s"]) == 6
+    assert 0.5 < rt["recorded_over_synced_median"] <= 1.01  # the block is inside the synced window
