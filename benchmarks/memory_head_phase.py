@@ -41,8 +41,12 @@ def main() -> None:
     head: list[int] = []
     floor = measure_peak(model, batch, "tapesac_replay", head=head)[0]
     profiles = profile_model(model, batch)
-    last = measure_peak(model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)})[0]
-    peak_model = calibrate(profiles, floor, last, None if args.no_head else head[0])
+    head_lf: list[int] = []
+    last = measure_peak(
+        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}, head=head_lf
+    )[0]
+    heads = (None, None) if args.no_head else (head[0], head_lf[0])
+    peak_model = calibrate(profiles, floor, last, *heads)
     print(f"no_ac {top / mib:.1f} MiB, replay-only {floor / mib:.1f} MiB (head phase {head[0] / mib:.1f})")
     for frac in (0.15, 0.3, 0.5, 0.7):
         limit = int(floor + frac * (top - floor))

@@ -169,9 +169,12 @@ def measure_model(name: str, args: argparse.Namespace, device: torch.device) -> 
     t0 = time.perf_counter()
     profiles = profile_model(model, batch)
     plans["tapesac_plan"] = last_free_plan(profiles)
-    last_free = peak_of(model, batch, "tapesac_plan", plans, cuda)["peak_bytes"]
+    last_free_row = peak_of(model, batch, "tapesac_plan", plans, cuda)
+    last_free = last_free_row["peak_bytes"]
     replay = rows["tapesac_replay"]
-    peak_model = calibrate(profiles, replay["peak_bytes"], last_free, replay["head_peak_bytes"])
+    peak_model = calibrate(
+        profiles, replay["peak_bytes"], last_free, replay["head_peak_bytes"], last_free_row["head_peak_bytes"]
+    )
     out["profile_s"] = time.perf_counter() - t0
     # PyTorch's auto-SAC decision model (reproduced, steptune.memory.autosac) on the op costs
     # just measured on this device, at three fractions of the block's op memory.

@@ -83,11 +83,14 @@ def run_bench(
         name = f"torch_auto_sac@{budget:.2f}"
         plans[name] = auto_sac_context(auto_sac_decisions(block, budget))
         rows[name] = measure(name, plans)
+    head_lf: list[int] = []
     last_free, _ = measure_peak(
-        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}
+        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}, head=head_lf
     )
     replay = rows["tapesac_replay"]
-    peak_model = calibrate(profiles, replay["peak_bytes"], last_free, replay["head_peak_bytes"])
+    peak_model = calibrate(
+        profiles, replay["peak_bytes"], last_free, replay["head_peak_bytes"], head_lf[0] if head_lf else None
+    )
     floor, top = rows["tapesac_replay"]["peak_bytes"], rows["no_ac"]["peak_bytes"]
     limits = {int(floor + f * (top - floor)) for f in fractions}
     limits.add(int((rows["full_ac"]["peak_bytes"] + top) / 2))  # the "halfway" limit

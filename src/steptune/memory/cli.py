@@ -69,10 +69,13 @@ def _plan(args: argparse.Namespace) -> int:
     profiles = single_thread(profile_model, model, batch)
     head: list[int] = []
     floor, _ = measure_peak(model, batch, "tapesac_replay", head=head)
+    head_lf: list[int] = []
     last_free, _ = measure_peak(
-        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}
+        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}, head=head_lf
     )
-    peak_model = calibrate(profiles, floor, last_free, head[0] if head else None)
+    peak_model = calibrate(
+        profiles, floor, last_free, head[0] if head else None, head_lf[0] if head_lf else None
+    )
     if value <= 1.0:
         top, _ = measure_peak(model, batch, "no_ac")
         limit = int(floor + value * (top - floor))

@@ -51,6 +51,8 @@ class PeakModel:
     :func:`steptune.memory.measure.head_peak_probe`). Kept values are alive there too, but no replay
     working set: where this phase holds the peak (a large vocabulary), keeping a value costs its whole
     size. None: not measured (the prediction then assumes the peak is in a block's backward)."""
+    head_last_free: int | None = None
+    """The same for the calibration step whose last block keeps everything; None: not measured."""
 
     def predict(
         self,
@@ -71,8 +73,8 @@ class PeakModel:
             raise ValueError(
                 "this peak model was not calibrated with the last block kept; pass last_free_peak"
             )
-        last = _last_packed(profiles)
-        return max(self.base_last_free + kept + max(work, last), head + last if self.head is not None else -1)
+        head_lf = -1 if self.head_last_free is None else self.head_last_free + kept
+        return max(self.base_last_free + kept + max(work, _last_packed(profiles)), head_lf)
 
 
 def _last_packed(profiles: dict[Any, BlockProfile]) -> int:
@@ -92,14 +94,21 @@ def calibrate(
     measured_replay_only_peak: int,
     last_free_peak: int | None = None,
     head_peak: int | None = None,
+    head_last_free_peak: int | None = None,
 ) -> PeakModel:
-    """``last_free_peak``: the measured peak under :func:`last_free_plan` (optional); ``head_peak``:
-    the replay-only step's peak before any block replays (optional; ``measure_peak(..., head=out)``)."""
+    """``last_free_peak``: the measured peak under :func:`last_free_plan` (optional); ``head_peak`` and
+    ``head_last_free_peak``: those two steps' peaks before any block replays (optional;
+    ``measure_peak(..., head=out)``)."""
     work = max(working_set(p, frozenset()) for p in profiles.values())
     base_last = None
     if last_free_peak is not None:
         base_last = last_free_peak - max(work, _last_packed(profiles))
-    return PeakModel(base=measured_replay_only_peak - work, base_last_free=base_last, head=head_peak)
+    return PeakModel(
+        base=measured_replay_only_peak - work,
+        base_last_free=base_last,
+        head=head_peak,
+        head_last_free=head_last_free_peak if last_free_peak is not None else None,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,12 +264,17 @@ def _plan(
     else:
         budget = limit - peak.base - work0
     counts = {k: p.num_blocks - (last_free and p.has_last) for k, p in profiles.items()}
-    if solver == "milp":
-        keeps = _solve_milp(profiles, counts, budget, time_limit_s)
-    elif solver == "greedy":
-        keeps = _solve_greedy(profiles, counts, budget)
-    else:
+    if solver not in ("milp", "greedy"):
         raise ValueError(f"unknown solver {solver!r}; choose 'milp' or 'greedy'")
+
+    def solve(kept_budget: float) -> dict[Any, frozenset[ValueKey]]:
+        if solver == "milp":
+            return _solve_milp(profiles, counts, int(kept_budget), time_limit_s)
+        return _solve_greedy(profiles, counts, int(kept_budget))
+
+    keeps = solve(budget)
+    if (peak.head_last_free if last_free else peak.head) is not None:
+        keeps = _widen(profiles, peak, limit, last_free, counts, solve, budget, keeps, start, time_limit_s)
     blocks = {}
     total = 0.0
     for key, profile in profiles.items():
@@ -282,6 +296,51 @@ def _plan(
         solver=solver,
         solve_s=time.perf_counter() - start,
     )
+
+
+def _widen(
+    profiles: dict[Any, BlockProfile],
+    peak: PeakModel,
+    limit: int,
+    last_free: bool,
+    counts: dict[Any, int],
+    solve: Any,
+    budget: int,
+    keeps: dict[Any, frozenset[ValueKey]],
+    start: float,
+    time_limit_s: float,
+) -> dict[Any, frozenset[ValueKey]]:
+    """A larger kept-bytes budget, where the peak model allows it. ``budget`` charges a kept value its
+    size on top of the replay-only working set, as if keeping it saved no replay memory: right where the
+    head phase holds the peak, too strict where a block's backward does (keeping a value also shrinks that
+    block's replay working set). With the head phase measured (``PeakModel.head``) the model prices both
+    phases, so bisect the budget up to what either phase leaves and take the fastest plan whose predicted
+    peak fits. Without the head phase measured the strict budget stands (the model alone could not tell
+    the phases apart)."""
+    if last_free:
+        assert peak.base_last_free is not None and peak.head_last_free is not None
+        hi = limit - max(peak.base_last_free + _last_packed(profiles), peak.head_last_free)
+    else:
+        assert peak.head is not None
+        hi = limit - max(peak.base, peak.head)  # no plan with more kept bytes fits either phase
+    lo = budget
+
+    def replay_s(k: dict[Any, frozenset[ValueKey]]) -> float:
+        return sum(replay_cost(p, k.get(key, frozenset()))[1] * counts[key] for key, p in profiles.items())
+
+    best, best_s = keeps, replay_s(keeps)
+    for _ in range(12):
+        if hi - lo < 2**16 or time.perf_counter() - start > time_limit_s:
+            break
+        mid = (lo + hi) / 2
+        trial = solve(mid)
+        if peak.predict(profiles, trial, last_free=last_free) <= limit:
+            lo = mid
+            if (s := replay_s(trial)) < best_s:
+                best, best_s = trial, s
+        else:
+            hi = mid
+    return best
 
 
 def _candidates(profile: BlockProfile) -> list[ValueKey]:

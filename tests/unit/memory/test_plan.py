@@ -20,12 +20,13 @@ def setup(request):
     profiles = profile_model(model, batch)
     head: list[int] = []
     floor, _ = measure_peak(model, batch, "tapesac_replay", head=head)
+    head_lf: list[int] = []
     last_free, _ = measure_peak(
-        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}
+        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}, head=head_lf
     )
     top, _ = measure_peak(model, batch, "no_ac")
-    assert len(head) == 1 and 0 < head[0] <= floor
-    return model, batch, profiles, calibrate(profiles, floor, last_free, head[0]), floor, top
+    assert len(head) == 1 and 0 < head[0] <= floor and len(head_lf) == 1
+    return model, batch, profiles, calibrate(profiles, floor, last_free, head[0], head_lf[0]), floor, top
 
 
 def test_one_profile_per_signature_with_measured_costs(setup):
@@ -129,3 +130,32 @@ def test_a_peak_in_the_head_phase_is_predicted_with_its_measured_head():
         errors[name] = (plan.predicted_peak - got) / got
     assert abs(errors["head"]) < 0.002, errors
     assert errors["no head"] < -0.005, errors  # the old prediction, too low
+
+
+def test_with_both_phases_measured_the_budget_widens_where_a_blocks_backward_holds_the_peak():
+    """The strict budget charges a kept value its size on top of the replay-only working set. Where the
+    peak is in a block's backward (small vocabulary), keeping a value also shrinks that working set, so the
+    planner may keep more: less replay at the same limit, still under it, predicted exactly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(
+        hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32
+    )
+    cfg = AutoConfig.for_model("qwen3", num_hidden_layers=3, vocab_size=256, use_cache=False, **shape)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    ids = torch.randint(0, 256, (1, 384))
+    batch = {"input_ids": ids, "labels": ids}
+    profiles = profile_model(model, batch)
+    head: list[int] = []
+    floor, _ = measure_peak(model, batch, "tapesac_replay", head=head)
+    top, _ = measure_peak(model, batch, "no_ac")
+    assert head[0] < 0.9 * floor  # a block's backward holds the replay-only peak
+    limit = int(floor + 0.5 * (top - floor))
+    strict = plan_saves(profiles, calibrate(profiles, floor), limit, last_block_free=False)
+    wide = plan_saves(profiles, calibrate(profiles, floor, None, head[0]), limit, last_block_free=False)
+    got, _ = measure_peak(model, batch, "tapesac_plan", plans={"tapesac_plan": wide.save_plan(profiles)})
+    assert got <= limit and abs(wide.predicted_peak - got) <= 0.002 * got
+    assert wide.predicted_replay_s < 0.9 * strict.predicted_replay_s
+    assert sum(b.kept_bytes for b in wide.blocks.values()) > sum(b.kept_bytes for b in strict.blocks.values())
