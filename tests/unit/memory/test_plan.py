@@ -100,29 +100,35 @@ def test_a_plan_is_reused_across_steps_without_recording(setup):
     handle.remove()
 
 
-def test_a_peak_in_the_head_phase_is_predicted_with_its_measured_head():
-    """With a large vocabulary the step peaks before any block replays (logits and their gradient), so a
-    kept value costs its whole size there: predicting with the replay working set's shrinkage put planned
-    peaks 1/4 of the kept bytes low (an H200 run: 7.4% under the measured peak; here 1-2%)."""
+def _qwen3_measured(vocab: int, hidden: int):
+    """A 3-layer Qwen3-shaped model (random weights, 384 tokens), its profiles, and the replay-only and
+    no-checkpointing peaks with the replay-only step's head phase."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    shape = dict(
-        hidden_size=96, intermediate_size=288, num_attention_heads=4, num_key_value_heads=2, head_dim=24
-    )
-    cfg = AutoConfig.for_model("qwen3", num_hidden_layers=3, vocab_size=16384, use_cache=False, **shape)
+    shape = dict(hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=hidden // 4)  # fmt: skip
+    cfg = AutoConfig.for_model("qwen3", num_hidden_layers=3, vocab_size=vocab, use_cache=False, **shape)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).train()
-    ids = torch.randint(0, 16384, (1, 384))
+    ids = torch.randint(0, vocab, (1, 384))
     batch = {"input_ids": ids, "labels": ids}
     profiles = profile_model(model, batch)
     head: list[int] = []
     floor, _ = measure_peak(model, batch, "tapesac_replay", head=head)
     top, _ = measure_peak(model, batch, "no_ac")
-    assert head[0] >= 0.98 * floor  # the head phase holds the replay-only peak
+    return model, batch, profiles, floor, top, head[0]
+
+
+def test_a_peak_in_the_head_phase_is_predicted_with_its_measured_head():
+    """With a large vocabulary the step peaks before any block replays (logits and their gradient), so a
+    kept value costs its whole size there: predicting with the replay working set's shrinkage put planned
+    peaks 1/4 of the kept bytes low (an H200 run: 7.4% under the measured peak; here 1-2%)."""
+    model, batch, profiles, floor, top, head = _qwen3_measured(16384, 96)
+    assert head >= 0.98 * floor  # the head phase holds the replay-only peak
     limit = int(floor + 0.5 * (top - floor))
     errors = {}
-    with_head, without = calibrate(profiles, floor, None, head[0]), calibrate(profiles, floor)
+    with_head, without = calibrate(profiles, floor, None, head), calibrate(profiles, floor)
     for name, peak_model in (("head", with_head), ("no head", without)):
         plan = plan_saves(profiles, peak_model, limit, last_block_free=False)
         got, _ = measure_peak(model, batch, "tapesac_plan", plans={"tapesac_plan": plan.save_plan(profiles)})
@@ -136,25 +142,11 @@ def test_with_both_phases_measured_the_budget_widens_where_a_blocks_backward_hol
     """The strict budget charges a kept value its size on top of the replay-only working set. Where the
     peak is in a block's backward (small vocabulary), keeping a value also shrinks that working set, so the
     planner may keep more: less replay at the same limit, still under it, predicted exactly."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    shape = dict(
-        hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32
-    )
-    cfg = AutoConfig.for_model("qwen3", num_hidden_layers=3, vocab_size=256, use_cache=False, **shape)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).train()
-    ids = torch.randint(0, 256, (1, 384))
-    batch = {"input_ids": ids, "labels": ids}
-    profiles = profile_model(model, batch)
-    head: list[int] = []
-    floor, _ = measure_peak(model, batch, "tapesac_replay", head=head)
-    top, _ = measure_peak(model, batch, "no_ac")
-    assert head[0] < 0.9 * floor  # a block's backward holds the replay-only peak
+    model, batch, profiles, floor, top, head = _qwen3_measured(256, 128)
+    assert head < 0.9 * floor  # a block's backward holds the replay-only peak
     limit = int(floor + 0.5 * (top - floor))
     strict = plan_saves(profiles, calibrate(profiles, floor), limit, last_block_free=False)
-    wide = plan_saves(profiles, calibrate(profiles, floor, None, head[0]), limit, last_block_free=False)
+    wide = plan_saves(profiles, calibrate(profiles, floor, None, head), limit, last_block_free=False)
     got, _ = measure_peak(model, batch, "tapesac_plan", plans={"tapesac_plan": wide.save_plan(profiles)})
     assert got <= limit and abs(wide.predicted_peak - got) <= 0.002 * got
     assert wide.predicted_replay_s < 0.9 * strict.predicted_replay_s
