@@ -240,7 +240,7 @@ def save_op_names(save_ops: Any) -> tuple[frozenset[str], frozenset[str]]:
             hint = (
                 f"'aten.{op}.default' (one overload) or 'aten.{op}' (every overload)"
                 if known
-                else ("a namespaced name such as 'aten.mm.default'")
+                else "a namespaced name such as 'aten.mm.default'"
             )
             raise ValueError(f"TapeSACConfig.save_ops: {op!r} names no op; write {hint}")
         if len(parts) > 3:

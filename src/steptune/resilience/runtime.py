@@ -327,7 +327,7 @@ class Runtime:
         cfg = self.config
         if cfg.emulate or cfg.timing == "wall":
             return False
-        return cfg.timing == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized())
+        return cfg.timing == "cuda" or torch.cuda.is_initialized()  # per microbatch: no device query
 
     @contextlib.contextmanager
     def _events(self) -> Iterator[list[Any]]:
