@@ -58,3 +58,33 @@ def test_calibration_refuses_bad_files(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown fitted constants"):
         calibrated(bad)
     assert CommConstants().calibrated_from == ""
+
+
+def test_gamma_is_fitted_against_the_same_method_baseline_and_reports_its_noise_floor() -> None:
+    spec = importlib.util.spec_from_file_location("gpu_comm_fit", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    rates = {k: [{"bytes_per_s": 1.0, "elems_per_s": 1.0}] for k in
+             ("copy_out", "chunk_cat_bf16_fp32", "chunk_cat_bf16", "cast", "accumulate")}  # fmt: skip
+    # A 48 GB/s copy on a 4.8 TB/s device (u = 1%), GEMM 100 us synced, 102 us beside the copy, and the
+    # back-to-back figure (90 us) must not be the baseline: gamma = 2% / 1% = 2.
+    inter = {
+        "gemm": {"alone_s": 100e-6, "alone_back_to_back_s": 90e-6},
+        "alone_again_s": 100.5e-6,
+        "with_ce_copy_s": 102e-6,
+        "ce_copy_alone_s": 1e-3,
+        "ce_copy_bytes": 48e6,
+    }
+    f = mod.fit(rates, inter, 4.8e12)
+    assert f["hbm_contention"] == pytest.approx(2.0) and inter["hbm_contention_resolved"] is True
+    assert inter["ce_copy_hbm_fraction"] == pytest.approx(0.01)
+    assert inter["hbm_contention_noise_floor"] == pytest.approx(0.5)
+    inter["with_ce_copy_s"] = 99e-6  # faster beside the copy: unresolved, never a negative gamma
+    assert "hbm_contention" not in mod.fit(rates, inter, 4.8e12) and inter["hbm_contention_estimate"] == 0
+    # The H200 figures of 2026-12-04: a 2.1% slowdown where the same baseline twice differed by 5.6%.
+    inter.update({"gemm": {"alone_s": 103.6e-6}, "alone_again_s": 109.5e-6, "with_ce_copy_s": 105.8e-6})
+    f = mod.fit(rates, inter, 4.8e12)
+    assert "hbm_contention" not in f and inter["hbm_contention_resolved"] is False
+    assert inter["hbm_contention_estimate"] < inter["hbm_contention_noise_floor"]
