@@ -138,6 +138,54 @@ def test_a_template_that_cannot_fork_falls_back_to_fresh_workers_with_a_warning(
         assert {psutil.Process(p).ppid() for p in pool.worker_pids()} == {os.getpid()}
 
 
+# Loaded by the template's interpreter (its PYTHONPATH comes first): the first os.fork made for a request
+# (the template blocks SIGCHLD around those; its import-time probe forks too) fails with EAGAIN, as under a
+# process limit. The marker file makes it fail once across every process that loads this.
+_FORK_FAILS_ONCE = """
+import errno, os, signal
+_marker, _fork = os.environ.get("STEPTUNE_TEST_FORK_FAILS_ONCE"), os.fork
+def _failing_fork():
+    if _marker and signal.SIGCHLD in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        try:
+            os.close(os.open(_marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return _fork()
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+    return _fork()
+os.fork = _failing_fork
+"""
+
+
+def test_a_template_whose_fork_fails_answers_with_the_reason_and_serves_the_next_request(
+    tmp_path, monkeypatch
+):
+    from steptune.kernels.spawn import Template, can_fork_workers
+
+    if not can_fork_workers():
+        pytest.skip("no pidfds here: the pool starts fresh interpreters")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FORK_FAILS_ONCE)
+    pool = EvalPool(PoolConfig(num_workers=1))
+    env = pool._worker_env()
+    pool.close()
+    env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+    env["STEPTUNE_TEST_FORK_FAILS_ONCE"] = str(tmp_path / "forked-once")
+    root = tmp_path / "root"
+    root.mkdir()
+    template = Template(root, env)
+    try:
+        with pytest.raises(RuntimeError, match=r"could not fork a worker: fork failed: \[Errno 11\]"):
+            template.spawn()
+        assert template.alive(), "a failed fork is this request's failure, not the template's"
+        worker = template.spawn()  # the same template forks the next one
+        assert worker.stdout is not None and worker.stdout.readline().startswith('{"ready"')
+        assert psutil.Process(worker.pid).ppid() == template.proc.pid
+        worker.kill()
+    finally:
+        template.close()
+
+
 def test_a_pool_closed_while_its_template_imports_kills_it_without_waiting_or_warning(recwarn):
     pool = EvalPool(PoolConfig(num_workers=1, timeout_s=30))
     deadline = time.monotonic() + 10
