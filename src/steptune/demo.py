@@ -7,11 +7,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "run_demo"]
+__all__ = ["AREAS", "register", "run_demo"]
+
+AREAS = ("core", "memory", "comm", "pipeline", "kernels", "resilience")
+"""The areas with a demo, in the order the report shows them."""
 
 
-def run_demo(out_dir: Path, *, quick: bool = False) -> Path:
-    """Run every area's demo; ``quick`` shrinks sizes and repeats (a smoke run for the tests)."""
+def run_demo(out_dir: Path, *, quick: bool = False, only: tuple[str, ...] | None = None) -> Path:
+    """Run every area's demo (or the areas in ``only``) and write ``out_dir/report.md``; ``quick`` shrinks
+    sizes and repeats (a smoke run for the tests)."""
+    unknown = sorted(set(only or ()) - set(AREAS))
+    if unknown:
+        raise ValueError(f"no demo for {', '.join(unknown)}; the areas are: {', '.join(AREAS)}")
     from rich.console import Console
 
     from steptune.comm.demo import run_comm_demo
@@ -31,6 +38,8 @@ def run_demo(out_dir: Path, *, quick: bool = False) -> Path:
         ("kernels", run_kernels_demo),
         ("resilience", run_resilience_demo),
     ]
+    assert [name for name, _ in demos] == list(AREAS)
+    demos = [(name, fn) for name, fn in demos if only is None or name in only]
     sections = ["# steptune demo", "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}.", ""]
     for name, fn in demos:
         t0 = time.perf_counter()
@@ -49,6 +58,16 @@ def run_demo(out_dir: Path, *, quick: bool = False) -> Path:
     return report
 
 
+def _areas(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(set(names) - set(AREAS))
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown) or 'nothing'}: not an area with a demo; choose from {', '.join(AREAS)}"
+        )
+    return names
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
@@ -62,8 +81,16 @@ def register(sub: Any) -> None:
         help="smaller models, fewer repeats and seeds: checks that every demo runs, figures are rougher",
     )
 
+    p.add_argument(
+        "--only",
+        type=_areas,
+        default=None,
+        metavar="AREA[,AREA...]",
+        help=f"run only these areas' demos ({', '.join(AREAS)})",
+    )
+
     def run(args: argparse.Namespace) -> int:
-        run_demo(args.out, quick=args.quick)
+        run_demo(args.out, quick=args.quick, only=args.only)
         return 0
 
     p.set_defaults(func=run)

@@ -37,19 +37,11 @@ def test_unbuilt_area_says_so_and_fails(area, capsys):
 
 @pytest.mark.timeout(240)
 def test_demo_writes_report(tmp_path):
-    # --quick runs every demo's code path at smaller sizes; `make demo` runs the full sizes.
-    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
+    # --quick runs every demo's code path at smaller sizes; `make demo` runs the full sizes. The demos that
+    # run in one process (core, memory, pipeline) are checked in the parallel pass
+    # (tests/unit/core/test_demo_areas.py); these start processes.
+    assert main(["demo", "--quick", "--only", "comm,kernels,resilience", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()
-    assert "Simulated FSDP step" in report and "SIMULATED" in report
-    for name in (
-        "fsdp_step_llama3.1-70b_64gpu.png",
-        "fsdp_step_llama3.1-70b_64gpu.trace.json",
-        "presets.json",
-    ):
-        assert (tmp_path / "core" / name).stat().st_size > 0
-    assert "OctoPipe tuner vs anchors" in report
-    for name in ("gemma-2b_P8_tuned.png", "gemma-2b_P8_anchor.trace.json", "pipeline.json"):
-        assert (tmp_path / "pipeline" / name).stat().st_size > 0
     assert "Detectors on 2 simulated runs" in report
     assert (tmp_path / "resilience" / "false_alarms.png").stat().st_size > 0
     assert "Recovery policies, SIMULATED llama2-7b" in report
@@ -60,6 +52,7 @@ def test_demo_writes_report(tmp_path):
     assert "comm (TIDE): zero-copy FSDP2 collectives on gloo" in report
     for name in ("comm_bench.json", "rs_staging.png"):
         assert (tmp_path / "comm" / name).stat().st_size > 0
+    assert not (tmp_path / "core").exists()
 
 
 def test_python_dash_m_entry():
