@@ -24,7 +24,6 @@ os.environ.setdefault(START_METHOD_ENV, "forkserver")
 # tests/unit/core/test_suite_split.py fails when a unit file that uses processes or a clock is not listed.
 _SERIAL_DIRS = ("tests/dist/", "tests/integration/")
 _SERIAL_FILES = {
-    "tests/unit/comm/test_gpu_script.py",
     "tests/unit/core/test_gpu_scripts_run_as_scripts.py",  # a subprocess
     "tests/unit/core/test_lazy.py",  # a subprocess
     "tests/unit/core/test_start_context.py",  # a forkserver
@@ -37,7 +36,6 @@ _SERIAL_FILES = {
     "tests/unit/kernels/test_triggers.py",  # a wall-clock bound
     "tests/unit/kernels/test_triton_interp.py",
     "tests/unit/memory/test_force_save.py",  # gloo rank threads
-    "tests/unit/memory/test_gpu_script.py",
     "tests/unit/pipeline/test_simulate.py",  # wall-clock bounds
     "tests/unit/pipeline/test_stages.py",
     "tests/unit/resilience/test_coordinator.py",  # a TCPStore
