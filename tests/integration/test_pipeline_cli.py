@@ -87,3 +87,15 @@ def test_quick_bench_json_shape(tmp_path):
     assert row["tuned"] >= row["lower_bound"]
     assert result["geomean_speedup_heterogeneous"] >= 1.0
     json.dumps(result)
+
+
+@pytest.mark.timeout(120)
+def test_run_on_one_rank_skips_the_ping_pong_instead_of_hanging(tmp_path, capsys):
+    # A one-device schedule on a sleep model: the latency calibration used to send to rank 1, which
+    # does not exist, and hang until the pool's timeout.
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"name": "one", "num_stages": 1, "num_microbatches": 1, "placement": [0],
+                                "partition": [20], "orders": [["0F0", "0B0"]], "meta": {}}))  # fmt: skip
+    args = ["pipeline", "run", "--schedule", str(path), "--model", "sleep:gemma-2b", "--ranks", "1"]
+    assert main([*args, "--repeats", "1", "--json", str(tmp_path / "r.json")]) == 0
+    assert "measured / simulated" in capsys.readouterr().out

@@ -30,9 +30,10 @@ def _save(fig: Any, path: str | Path) -> Path:
 
 
 def gantt(spans: Sequence[Span], path: str | Path, *, title: str = "", time_unit: str = "ms") -> Path:
-    """One row per (rank, stream); a bar per span, coloured by its category."""
+    """One row per (rank, stream); a bar per span, coloured by its category. ``time_unit`` is s, ms or us
+    for spans in seconds, or "units" for spans in abstract time units (shown as they are)."""
     plt = _pyplot()
-    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[time_unit]
+    scale = {"s": 1.0, "ms": 1e3, "us": 1e6, "units": 1.0}[time_unit]
     rows = sorted({(s.rank, s.stream) for s in spans})
     row_of = {r: i for i, r in enumerate(rows)}
     cats = sorted({s.category or s.stream for s in spans})

@@ -1,9 +1,12 @@
 """steptune.pipeline: OctoPipe, a pipeline simulator and a bubble-aware co-tuner of partition,
 placement and schedule for heterogeneous models.
 
+    from steptune.core.specs import cluster_preset, model_preset
     from steptune.pipeline import anchor, layer_costs, simulate, stage_costs, tune, TuneConfig
+    from steptune.pipeline.costs import uniform_partition
+    layers = layer_costs(model_preset("llama2-7b"), cluster_preset("dgx-h100").device)
     sched = anchor("zb_h1", 4, 16)                       # torch-compatible orders ("2F0", CSV)
-    res = simulate(sched, stage_costs(layers, sched.partition or (8, 8, 8, 10)))
+    res = simulate(sched, stage_costs(layers, uniform_partition(layers.num_layers, 4)))
     best = tune(layers, TuneConfig(num_devices=4, num_microbatches=16)).best
 """
 

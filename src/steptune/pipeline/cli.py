@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import non_negative_float, output_dir, output_file, positive_float, positive_int
+from steptune.core.argtypes import (
+    non_negative_float,
+    output_dir,
+    output_file,
+    positive_float,
+    positive_int,
+    warn_ignored,
+)
 
 __all__ = ["register"]
 
@@ -43,7 +50,7 @@ def _model_costs(args: argparse.Namespace, model: str) -> tuple[Any, float, Any]
     return layers, cap, cluster.inter
 
 
-def _write_outputs(out: Path, sched: Any, result: Any, title: str) -> list[Path]:
+def _write_outputs(out: Path, sched: Any, result: Any, title: str, *, time_unit: str = "ms") -> list[Path]:
     from steptune.core.plot import gantt
 
     out.mkdir(parents=True, exist_ok=True)
@@ -51,7 +58,7 @@ def _write_outputs(out: Path, sched: Any, result: Any, title: str) -> list[Path]
         sched.save(out / "schedule.csv"),
         sched.save(out / "schedule.json"),
         result.trace().write(out / "trace.json"),
-        gantt(result.spans, out / "gantt.png", title=title),
+        gantt(result.spans, out / "gantt.png", title=title, time_unit=time_unit),
     ]
 
 
@@ -114,14 +121,27 @@ def _simulate(args: argparse.Namespace) -> int:
     from steptune.pipeline.simulate import simulate
 
     sched = Schedule.load(args.schedule)
+    notes = []
     if args.model:
         layers, cap, link = _model_costs(args, args.model)
         layers = split_layer(layers, layers.num_layers - 1, int(sched.meta.get("head_split", 1)))
-        part = sched.partition or uniform_partition(layers.num_layers, sched.num_stages)
+        part = sched.partition
+        if part is None:
+            part = uniform_partition(layers.num_layers, sched.num_stages)
+            notes.append(
+                f"{args.schedule.name} carries no layer partition (a CSV holds only the orders): "
+                f"simulated with the uniform partition {list(part)} and the head unsplit; the tuner's "
+                "schedule.json carries its partition and head split"
+            )
         costs = stage_costs(layers, part, link=link)
     else:  # unit costs: F = I = W = 1, free communication
-        n, cap = sched.num_stages, args.memory_cap
-        costs = StageCosts.uniform(n)
+        if args.memory_cap is not None:
+            raise ValueError(
+                "--memory-cap is in bytes and needs --model: unit costs count activations, not bytes"
+            )
+        warn_ignored(args, ("cluster", "efficiency"), "without --model (unit costs)")
+        cap = None
+        costs = StageCosts.uniform(sched.num_stages)
     res = simulate(sched, costs)
     timed = bool(args.model)  # seconds and bytes from the cost model; else unit costs and unit activations
     table = Table(
@@ -135,16 +155,17 @@ def _simulate(args: argparse.Namespace) -> int:
         table.add(d, res.busy[d], res.idle(d), mem)
     unit = " s" if timed else " (units)"
     table.notes.append(
-        f"makespan {res.makespan:.6g}{unit}, bubble fraction {res.bubble_fraction:.3f}, "
-        f"memory within cap: {res.memory_ok(cap)}"
+        f"makespan {res.makespan:.6g}{unit}, bubble fraction {res.bubble_fraction:.3f}"
         + (
-            f" ({args.model} on {args.cluster}; assumptions: docs/pipeline.md)"
+            f", memory within cap: {res.memory_ok(cap)} ({args.model} on {args.cluster}; "
+            "assumptions: docs/pipeline.md)"
             if timed
-            else " (unit costs: F=I=W=1)"
+            else " (unit costs: F=I=W=1; trace.json shows one unit as 1 s)"
         )
     )
+    table.notes += notes
     table.print()
-    paths = _write_outputs(args.out, sched, res, f"{sched.name}")
+    paths = _write_outputs(args.out, sched, res, f"{sched.name}", time_unit="ms" if timed else "units")
     print("wrote: " + ", ".join(str(p) for p in paths))
     return 0
 

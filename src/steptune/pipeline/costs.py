@@ -109,6 +109,12 @@ def layer_costs(
     """
     if expert_parallel < 1:
         raise ValueError(f"expert_parallel must be >= 1, got {expert_parallel}")
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be >= 1 sequence, got {microbatch_size}")
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1 token (or None for the model's), got {seq_len}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
     s = seq_len or model.seq_len
     tokens = s * microbatch_size
 

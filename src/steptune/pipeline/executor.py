@@ -91,6 +91,24 @@ class PipelineExecutor:
         prefix: str = "pp",
     ) -> None:
         check_schedule(schedule)
+        size = group.size() if hasattr(group, "size") else None
+        if size is not None and size != schedule.num_devices:
+            # A gloo receive from a rank outside the group blocks in the call itself, before any timed
+            # wait: refuse here instead of hanging in the first step.
+            raise ValueError(
+                f"the group has {size} rank(s) but the schedule places its stages on "
+                f"{schedule.num_devices} devices; run it on a group of {schedule.num_devices}"
+            )
+        if not 0 <= rank < schedule.num_devices:
+            raise ValueError(
+                f"rank {rank} is not one of the schedule's devices 0..{schedule.num_devices - 1}"
+            )
+        not_stages = sorted(s for s, m in stages.items() if not callable(getattr(m, "forward_collect", None)))
+        if not_stages:
+            raise TypeError(
+                f"stage(s) {not_stages} are plain modules; the executor needs each stage's unit outputs: "
+                "wrap the layers with steptune.pipeline.stages.split_layers(layers, partition) (a Stage each)"
+            )
         mine = set(schedule.stages_of(rank))
         if set(stages) != mine:
             raise ValueError(

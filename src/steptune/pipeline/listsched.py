@@ -38,6 +38,11 @@ class ListPolicy:
     tag: str = ""
     """Appended to the label (e.g. the multi-start seed)."""
 
+    def __post_init__(self) -> None:
+        extras = [self.extra_inflight, *(self.stage_extra or ())]
+        if min(extras) < 0:
+            raise ValueError(f"extra_inflight (and stage_extra) must be >= 0 microbatches, got {min(extras)}")
+
     def label(self) -> str:
         return (
             f"list(+{self.extra_inflight}{',F' if self.forward_first else ''}"

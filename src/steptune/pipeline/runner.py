@@ -117,9 +117,10 @@ def _barrier(group: Any) -> None:
 
 def _calibrate(rank: int, group: Any, schedule: Schedule) -> tuple[float, float]:
     """(P2P latency, per-action overhead) measured on these ranks."""
-    # Ping-pong between ranks 0 and 1.
+    # Ping-pong between ranks 0 and 1 (one rank sends nothing: latency 0; a send to a rank outside the
+    # group would block forever).
     buf = torch.zeros(1, HIDDEN)
-    rounds = 20
+    rounds = 20 if group.size() > 1 else 0
     _barrier(group)
     t0 = time.perf_counter()
     for k in range(rounds):
@@ -129,7 +130,7 @@ def _calibrate(rank: int, group: Any, schedule: Schedule) -> tuple[float, float]
         elif rank == 1:
             irecv(buf, 0, group, tag=900_000 + k).wait()
             isend(buf, 0, group, tag=910_000 + k).wait()
-    latency = torch.tensor([(time.perf_counter() - t0) / (2 * rounds)])
+    latency = torch.tensor([(time.perf_counter() - t0) / (2 * rounds) if rounds else 0.0])
     dist.broadcast(latency, 0, group=group)
     # The executor's own cost: the same schedule on zero-time sleep layers.
     n_units, m = sum(schedule.partition or ()), schedule.num_microbatches

@@ -38,6 +38,11 @@ class ActionKind(StrEnum):
 
 
 _ACTION_RE = re.compile(r"^(\d+)([FIWB])(\d+)$")
+# torch's CSV may also hold actions that are not compute: FSDP/DDP's (UNSHARD, RESHARD, REDUCE_GRAD) and, in
+# its full format, the communication (SEND_F, RECV_F, SEND_B, RECV_B); the executor adds its own.
+_NOT_COMPUTE_RE = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)\d*$")
+# DualPipeV's overlapped forward and backward: "(0F7;7B3)OVERLAP_F_B", run as its parts in order.
+_OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +58,7 @@ class Action:
     def parse(text: str) -> Action:
         m = _ACTION_RE.match(text.strip())
         if not m:
-            raise ScheduleError(
-                f"bad action {text!r}: write <stage><F|I|W|B><microbatch>, e.g. 2F0 (communication actions "
-                "are added by the executor, not written in the schedule)"
-            )
+            raise ScheduleError(f"bad action {text!r}: write <stage><F|I|W|B><microbatch>, e.g. 2F0")
         return Action(int(m.group(1)), ActionKind(m.group(2)), int(m.group(3)))
 
 
@@ -138,10 +140,26 @@ class Schedule:
 
     @staticmethod
     def from_csv(text: str, *, num_microbatches: int | None = None, name: str = "csv") -> Schedule:
-        """Parse torch's CSV; the placement is inferred from where each stage's actions are."""
-        orders = []
-        for row in csv.reader(io.StringIO(text)):
-            orders.append(tuple(Action.parse(cell) for cell in row if cell.strip()))
+        """Parse torch's CSV (``_dump_csv``: one row per rank): compute actions are kept, an overlapped
+        ``(F;B)OVERLAP_F_B`` becomes its parts in order, and FSDP/DDP and communication actions are skipped
+        (counted in ``meta["skipped_actions"]``). The placement is inferred from where each stage's
+        actions are."""
+        rows = list(csv.reader(io.StringIO(text)))
+        while rows and not any(cell.strip() for cell in rows[-1]):
+            rows.pop()  # trailing blank lines are not ranks
+        orders, skipped = [], 0
+        for row in rows:
+            order: list[Action] = []
+            for cell in (c.strip() for c in row):
+                if not cell:
+                    continue
+                if _NOT_COMPUTE_RE.match(cell):
+                    skipped += 1
+                elif m := _OVERLAP_RE.match(cell):
+                    order += [Action.parse(part) for part in m.group(1).split(";")]
+                else:
+                    order.append(Action.parse(cell))
+            orders.append(tuple(order))
         placement: dict[int, int] = {}
         for device, order in enumerate(orders):
             for a in order:
@@ -161,6 +179,7 @@ class Schedule:
             num_microbatches=num_microbatches or mbs,
             placement=tuple(placement[s] for s in range(num_stages)),
             orders=tuple(orders),
+            meta={"skipped_actions": skipped} if skipped else {},
         )
         return sched.validate()
 
@@ -183,24 +202,55 @@ class Schedule:
             value = data.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ScheduleError(f"schedule JSON field {key} must be a whole number, got {value!r}")
-        try:
-            return Schedule(
-                name=data["name"],
-                num_stages=data["num_stages"],
-                num_microbatches=data["num_microbatches"],
-                placement=tuple(data["placement"]),
-                partition=tuple(data["partition"]) if data.get("partition") else None,
-                orders=tuple(tuple(Action.parse(a) for a in order) for order in data["orders"]),
-                meta=data.get("meta", {}),
-            ).validate()
-        except KeyError as exc:
-            raise ScheduleError(f"schedule JSON is missing {exc}") from exc
+        missing = [
+            k for k in ("name", "num_stages", "num_microbatches", "placement", "orders") if k not in data
+        ]
+        if missing:
+            raise ScheduleError(f"schedule JSON is missing {', '.join(missing)}")
+
+        def whole_numbers(key: str, value: Any) -> tuple[int, ...]:
+            ok = isinstance(value, list) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            )
+            if not ok:
+                raise ScheduleError(
+                    f"schedule JSON field {key} must be a list of whole numbers, got {value!r}"
+                )
+            return tuple(value)
+
+        orders = data["orders"]
+        if not isinstance(orders, list) or not all(
+            isinstance(o, list) and all(isinstance(a, str) for a in o) for o in orders
+        ):
+            raise ScheduleError(
+                "schedule JSON field orders must be a list per device of action strings, "
+                'e.g. [["0F0", "0B0"]]'
+            )
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ScheduleError(f"schedule JSON field meta must be an object, got {meta!r}")
+        split = meta.get("head_split", 1)
+        if not isinstance(split, int) or isinstance(split, bool) or split < 1:
+            raise ScheduleError(
+                f"schedule JSON field meta.head_split must be a whole number >= 1, got {split!r}"
+            )
+        return Schedule(
+            name=str(data["name"]),
+            num_stages=data["num_stages"],
+            num_microbatches=data["num_microbatches"],
+            placement=whole_numbers("placement", data["placement"]),
+            partition=whole_numbers("partition", data["partition"]) if data.get("partition") else None,
+            orders=tuple(tuple(Action.parse(a) for a in order) for order in orders),
+            meta=meta,
+        ).validate()
 
     def save(self, path: str | Path) -> Path:
         """Write ``path`` as JSON (``.json``) or torch CSV (``.csv``)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_csv() if path.suffix == ".csv" else json.dumps(self.to_json(), indent=1))
+        path.write_text(
+            self.to_csv() if path.suffix.lower() == ".csv" else json.dumps(self.to_json(), indent=1)
+        )
         return path
 
     @staticmethod
@@ -210,7 +260,7 @@ class Schedule:
             text = read_text(path, "schedule")
         except NotTextError as exc:
             raise ScheduleError(str(exc)) from None
-        if path.suffix == ".csv":
+        if path.suffix.lower() == ".csv":
             return Schedule.from_csv(text, name=path.stem)
         try:
             return Schedule.from_json(json.loads(text))

@@ -198,11 +198,13 @@ _programs: dict[int, tuple[weakref.ref[Schedule], Program]] = {}
 
 def program(schedule: Schedule) -> Program:
     """``schedule``'s ``Program``, built on first use and kept while the schedule object lives; raises
-    ``ScheduleError`` naming what each device waits for if the order deadlocks."""
+    ``ScheduleError`` for an invalid schedule (``Schedule.validate``), or naming what each device waits for
+    if the order deadlocks."""
     key = id(schedule)
     hit = _programs.get(key)
     if hit is not None and hit[0]() is schedule:
         return hit[1]
+    schedule.validate()  # a missing action, or one on the wrong device, would be priced as if valid
     prog = _compile(schedule)
     _programs[key] = (weakref.ref(schedule, lambda _ref, k=key: _programs.pop(k, None)), prog)
     return prog

@@ -54,6 +54,23 @@ class TuneConfig:
     split_head: bool = True
     """Allow splitting a heavy LM head into vocabulary shards chained with an online softmax."""
 
+    def __post_init__(self) -> None:
+        if self.num_devices < 1 or self.num_microbatches < 1:
+            raise ValueError(
+                f"num_devices and num_microbatches must be >= 1, got {self.num_devices} and "
+                f"{self.num_microbatches}"
+            )
+        for name in ("time_budget", "overhead"):
+            value = getattr(self, name)
+            if not value >= 0:  # also NaN
+                raise ValueError(f"{name} must be >= 0 seconds, got {value}")
+        if self.memory_cap is not None and not self.memory_cap > 0:
+            raise ValueError(f"memory_cap must be > 0 bytes (or None for no cap), got {self.memory_cap}")
+        if not self.families:
+            raise ValueError("families is empty: name at least one of seq, loop<v> (v >= 1) or v")
+        for family in self.families:
+            placement_for(family, self.num_devices)  # raises for an unknown or malformed family
+
 
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
@@ -90,7 +107,9 @@ def placement_for(family: str, num_devices: int) -> tuple[int, ...]:
     if family == "seq":
         return tuple(range(p))
     if family.startswith("loop"):
-        v = int(family[4:])
+        v = int(family[4:]) if family[4:].isdigit() else 0
+        if v < 1:
+            raise ValueError(f"placement family {family!r}: write loop<v> with v >= 1 stages per device")
         return tuple(s % p for s in range(p * v))
     if family == "v":
         return tuple(range(p)) + tuple(reversed(range(p)))

@@ -1,0 +1,166 @@
+"""Bad schedules, files and settings get errors that name what to change (the 2026-12-04 audit's findings),
+and torch's own CSV dumps load."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from steptune.cli import main
+from steptune.core.specs import cluster_preset, model_preset
+from steptune.pipeline import Action, Schedule, StageCosts, simulate
+from steptune.pipeline.anchors import anchor
+from steptune.pipeline.costs import layer_costs
+from steptune.pipeline.executor import PipelineExecutor
+from steptune.pipeline.listsched import ListPolicy
+from steptune.pipeline.schedule import ScheduleError
+from steptune.pipeline.tune import TuneConfig
+
+A = Action.parse
+
+
+def test_simulate_refuses_a_schedule_with_missing_actions_or_a_contradicting_placement() -> None:
+    half = Schedule(name="x", num_stages=2, num_microbatches=2, placement=(0, 1),
+                    orders=((A("0F0"),), (A("1F0"), A("1B0"))))  # fmt: skip
+    with pytest.raises(ScheduleError, match="needs exactly one backward"):
+        simulate(half, StageCosts.uniform(2))  # priced as 4.0 before
+    good = anchor("1f1b", 2, 2)
+    swapped = Schedule(name="y", num_stages=2, num_microbatches=2, placement=(1, 0), orders=good.orders)
+    with pytest.raises(ScheduleError, match="placed on device"):
+        simulate(swapped, StageCosts.uniform(2))
+    assert simulate(good, StageCosts.uniform(2)).makespan > 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"meta": [1]}, "meta must be an object"),
+        ({"partition": 5}, "partition must be a list of whole numbers"),
+        ({"placement": ["0", "1"]}, "placement must be a list of whole numbers"),
+        ({"placement": None}, "placement must be a list of whole numbers"),
+        ({"orders": 5}, "orders must be a list per device of action strings"),
+        ({"orders": [[1, 2]]}, "orders must be a list per device of action strings"),
+        ({"meta": {"head_split": "two"}}, "meta.head_split must be a whole number >= 1"),
+        ({"meta": {"head_split": 0}}, "meta.head_split must be a whole number >= 1"),
+    ],
+)
+def test_a_malformed_schedule_json_names_its_field(
+    tmp_path: Path, change: dict, message: str, capsys
+) -> None:
+    data = anchor("1f1b", 2, 2).to_json()
+    data.update(change)
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ScheduleError, match=message):
+        Schedule.load(path)
+    assert main(["pipeline", "simulate", "--schedule", str(path), "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_torch_csv_dumps_load_with_fsdp_comm_and_overlapped_actions() -> None:
+    vis = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    # (not 1F1B: torch 2.13 dumps its last rank with forwards numbered 1..M, see test_anchors.py)
+    for name, per_rank in (("GPipe", None), ("DualPipeV", 2)):
+        ops = vis.get_schedule_ops(name, 4, 8, num_stages_per_rank=per_rank)
+        buf = io.StringIO()
+        csv.writer(buf).writerows([["" if a is None else str(a) for a in row] for row in ops])
+        text = buf.getvalue()
+        # the dump really holds what used to be refused
+        assert ("REDUCE_GRAD" if name == "GPipe" else "OVERLAP_F_B") in text, name
+        sched = Schedule.from_csv(text + "\n\n", name=name)  # trailing blank lines are not ranks
+        assert sched.num_devices == 4
+        want = []
+        for row in ops:
+            out = []
+            for a in row:
+                if a is None:
+                    continue
+                if a.computation_type == T.OVERLAP_F_B:
+                    out += [str(sub) for sub in a.sub_actions]
+                elif a.computation_type in (T.FORWARD, T.BACKWARD_INPUT, T.BACKWARD_WEIGHT, T.FULL_BACKWARD):
+                    out.append(str(a))
+            want.append(out)
+        assert [[str(a) for a in order] for order in sched.orders] == want
+        assert simulate(sched, StageCosts.uniform(sched.num_stages)).makespan > 0
+    with pytest.raises(ScheduleError, match="bad action '0X0'"):
+        Schedule.from_csv("0F0,0X0\n")
+
+
+def test_an_upper_case_csv_suffix_is_csv(tmp_path: Path) -> None:
+    sched = anchor("1f1b", 2, 2)
+    path = sched.save(tmp_path / "S.CSV")
+    assert path.read_text().startswith("0F0")
+    assert Schedule.load(path).orders == sched.orders
+
+
+def test_simulating_a_csv_with_a_model_says_which_partition_it_used(tmp_path: Path, capsys) -> None:
+    sched = anchor("1f1b", 4, 8)
+    csv_path = sched.save(tmp_path / "s.csv")
+    assert main(["pipeline", "simulate", "--schedule", str(csv_path), "--model", "gemma-2b",
+                 "--out", str(tmp_path / "o")]) == 0  # fmt: skip
+    out = " ".join(capsys.readouterr().out.split())
+    assert "carries no layer partition" in out and "uniform partition [" in out and "head unsplit" in out
+
+
+def test_unit_cost_simulation_refuses_a_byte_cap_and_warns_of_ignored_options(tmp_path: Path, capsys) -> None:
+    csv_path = anchor("1f1b", 2, 2).save(tmp_path / "s.csv")
+    base = ["pipeline", "simulate", "--schedule", str(csv_path), "--out", str(tmp_path / "o")]
+    assert main([*base, "--memory-cap", "1"]) == 2
+    assert "--memory-cap is in bytes and needs --model" in capsys.readouterr().err
+    assert main([*base, "--cluster", "nope", "--efficiency", "0.9"]) == 0
+    captured = capsys.readouterr()
+    assert "--cluster has no effect without --model" in captured.err
+    assert "--efficiency has no effect without --model" in captured.err
+    assert "memory within cap" not in captured.out and "unit costs" in captured.out
+
+
+def test_tuner_scheduler_and_cost_settings_out_of_range_are_refused() -> None:
+    L = layer_costs(model_preset("llama2-7b"), cluster_preset("dgx-h100").device)
+    with pytest.raises(ValueError, match="microbatch_size must be >= 1"):
+        layer_costs(model_preset("llama2-7b"), cluster_preset("dgx-h100").device, microbatch_size=-2)
+    with pytest.raises(ValueError, match="seq_len must be >= 1"):
+        layer_costs(model_preset("llama2-7b"), cluster_preset("dgx-h100").device, seq_len=-5)
+    for kw, message in (
+        ({"overhead": -1.0}, "overhead must be >= 0"),
+        ({"time_budget": -1.0}, "time_budget must be >= 0"),
+        ({"families": ()}, "families is empty"),
+        ({"families": ("loop0",)}, "loop<v> with v >= 1"),
+        ({"families": ("ring",)}, "unknown placement family"),
+        ({"num_microbatches": 0}, "num_microbatches must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            TuneConfig(**{"num_devices": 4, "num_microbatches": 8, **kw})
+    with pytest.raises(ValueError, match="extra_inflight"):
+        ListPolicy(extra_inflight=-4)
+    assert L.num_layers > 0
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_the_executor_refuses_a_group_of_the_wrong_size_and_plain_modules_before_any_communication() -> None:
+    from steptune.pipeline.stages import split_layers
+
+    sched = anchor("1f1b", 2, 2)
+    meta = [((1, 4), torch.float32)]
+    stage = {0: split_layers([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], (1, 1))[0]}
+    kw = {"rank": 0, "boundary": meta, "loss_fn": lambda y, t: y.sum()}
+    with pytest.raises(ValueError, match=r"the group has 1 rank.*on 2 devices"):  # hung in irecv before
+        PipelineExecutor(sched, stage, group=_Group(1), **kw)
+    with pytest.raises(TypeError, match=r"plain modules.*split_layers"):
+        PipelineExecutor(sched, {0: torch.nn.Linear(4, 4)}, group=_Group(2), **kw)
+    with pytest.raises(ValueError, match="rank 5 is not one of"):
+        PipelineExecutor(sched, stage, group=_Group(2), **{**kw, "rank": 5})
+    PipelineExecutor(sched, stage, group=_Group(2), **kw)  # the right group builds
