@@ -9,9 +9,11 @@ on the first unpack in backward. Without grad mode the block runs untouched.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +82,7 @@ def find_blocks(
         )
     picked: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
-        if any(name.startswith(p + ".") for p, _ in picked):
+        if any(p == "" or name.startswith(p + ".") for p, _ in picked):  # outermost only ("" is the root)
             continue
         if _is_block(name, module, blocks):
             picked.append((name, module))
@@ -88,6 +90,13 @@ def find_blocks(
         raise ValueError(
             f"TapeSACConfig(blocks={blocks!r}) selected no module of {type(model).__name__}; pass an FQN "
             "pattern such as 'model.layers.*' or the decoder-layer class name"
+        )
+    lists = [(name, m) for name, m in picked if isinstance(m, nn.ModuleList | nn.ModuleDict)]
+    if lists:  # containers are never called: wrapping one would checkpoint nothing, silently
+        name, container = lists[0]
+        raise ValueError(
+            f"TapeSACConfig(blocks={blocks!r}) selected {name!r}, a {type(container).__name__}, which is "
+            f"never called; select its children: '{name}.*'"
         )
     return picked
 
@@ -99,14 +108,19 @@ def _is_block(name: str, module: nn.Module, blocks: str | tuple[type[nn.Module],
         return isinstance(module, blocks)
     if any(ch in blocks for ch in "*.?["):
         return fnmatch.fnmatchcase(name, blocks)
-    return type(module).__name__ == blocks
+    return type(module).__name__ == blocks or name == blocks  # a class name, or one module's FQN
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class TapeSAC:
-    """What :func:`apply_tapesac_` returns: the wrapped blocks, counters and ``remove()``."""
+    """What :func:`apply_tapesac_` returns: the wrapped blocks, counters and ``remove()``.
 
-    model: nn.Module
+    The model holds it (``model._tapesac``) and it holds the model weakly, and each block's wrapper holds
+    the block and this handle weakly: applying adds no reference cycle, so a deleted model is freed at
+    once. ``copy.deepcopy(model)`` gives a copy with its own handle (fresh counters and tapes) whose
+    blocks run the copy's own weights."""
+
+    model_ref: weakref.ReferenceType[nn.Module]
     config: TapeSACConfig
     blocks: list[tuple[str, nn.Module]]
     stats: ReplayStats = field(default_factory=ReplayStats)
@@ -117,14 +131,74 @@ class TapeSAC:
     """Recorders keep every tensor they see (the profiler; memory-hungry)."""
     warned_unkeyable: bool = False
     warned_inner: bool = False
+    warned_unplanned: bool = False
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model (None once it was freed)."""
+        return self.model_ref()
 
     def remove(self) -> None:
         for _, block in self.blocks:
-            if "forward" in block.__dict__ and getattr(block.forward, "_tapesac", None) is self:
+            if isinstance(block.__dict__.get("forward"), _BlockForward) and block.forward.state is self:
                 del block.forward
         self.blocks = []
-        if getattr(self.model, "_tapesac", None) is self:
-            del self.model._tapesac
+        model = self.model
+        if model is not None and getattr(model, "_tapesac", None) is self:
+            del model._tapesac
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TapeSAC:
+        model = self.model
+        if model is None:
+            raise TypeError("this TapeSAC handle's model was freed; there is nothing to copy")
+        # registered before the model is copied: each copied block's wrapper then finds this one copy
+        new = TapeSAC(
+            self.model_ref, self.config, [], on_record=self.on_record, keep_outputs=self.keep_outputs
+        )
+        memo[id(self)] = new
+        new.model_ref = weakref.ref(copy.deepcopy(model, memo))
+        new.blocks = [(name, copy.deepcopy(block, memo)) for name, block in self.blocks]
+        return new
+
+
+class _BlockForward:
+    """A block's instance ``forward`` under TapeSAC: runs the class's forward through the recorder."""
+
+    __slots__ = ("_block", "_state", "name", "save_fn")
+
+    def __init__(self, state: TapeSAC, name: str, block: nn.Module) -> None:
+        self._state = weakref.ref(state)
+        self._block = weakref.ref(block)
+        self.name = name
+        self.save_fn = _save_fn(state.config)
+
+    @property
+    def state(self) -> TapeSAC | None:
+        return self._state()
+
+    # Dynamo cannot trace the recorder (a dispatch mode, saved-tensor hooks, storage keys); without this it
+    # would break its graph many times inside each block instead of once around it.
+    @torch.compiler.disable
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        block, state = self._block(), self._state()
+        assert block is not None, "a block's forward outlived its block"
+        forward = type(block).forward.__get__(block)
+        if state is None:  # the model (which held the handle) is gone mid-call: run it plainly
+            return forward(*args, **kwargs)
+        return _run_block(state, self.name, block, forward, self.save_fn, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _BlockForward:
+        block, state = self._block(), self._state()
+        if block is None or state is None:
+            raise TypeError("cannot copy a TapeSAC block whose model was freed")
+        return _BlockForward(copy.deepcopy(state, memo), self.name, copy.deepcopy(block, memo))
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"a model with TapeSAC applied cannot be pickled whole (block {self.name!r} runs TapeSAC's "
+            "wrapper): save model.state_dict(), or call the handle's remove() first and apply_tapesac_ "
+            "again after loading"
+        )
 
 
 def apply_tapesac_(
@@ -139,10 +213,19 @@ def apply_tapesac_(
         )
     if getattr(model, "_tapesac", None) is not None:
         raise ValueError("TapeSAC is already applied to this model; call .remove() on it first")
-    state = TapeSAC(model, config, find_blocks(model, config.blocks))
+    if config.plan is not None and not isinstance(config.plan, SavePlan):
+        hint = (
+            "call plan.save_plan(profiles) on the planner's MemoryPlan"
+            if hasattr(config.plan, "save_plan")
+            else "build one with steptune.memory.plan.plan_saves(...).save_plan(profiles)"
+        )
+        raise TypeError(
+            f"TapeSACConfig(plan=...) takes a SavePlan, got a {type(config.plan).__name__}: {hint}"
+        )
+    state = TapeSAC(weakref.ref(model), config, find_blocks(model, config.blocks))
     if templates is not None:
         state.templates = templates
-    save_fn = _save_fn(config)
+    _save_fn(config)  # checks save_ops before anything is wrapped
     nested = _wrapping(model, state.blocks, _checkpoints)
     if nested is not None:
         raise ValueError(
@@ -161,16 +244,15 @@ def apply_tapesac_(
             "budget (torch._functorch.config.activation_memory_budget)",
             stacklevel=2,
         )
-    for name, block in state.blocks:
-        if "forward" in block.__dict__:
-            raise ValueError(f"block {name!r} already has an instance-level forward (another wrapper?)")
-        # Dynamo cannot trace the recorder (a dispatch mode, saved-tensor hooks, storage keys); without
-        # this it would break its graph many times inside each block instead of once around it.
-        wrapper = torch.compiler.disable(
-            functools.partial(_run_block, state, name, block, block.forward, save_fn)
+    taken = [name for name, block in state.blocks if "forward" in block.__dict__]
+    if taken:  # checked for every block before any is wrapped: a refusal leaves the model as it was
+        raise ValueError(
+            f"block(s) {taken} already have an instance-level forward (another wrapper, such as an "
+            "accelerate hook or a checkpoint patch): remove it, or leave those blocks out with "
+            "TapeSACConfig(blocks=...)"
         )
-        wrapper._tapesac = state  # type: ignore[attr-defined]
-        block.forward = wrapper  # type: ignore[method-assign]
+    for name, block in state.blocks:
+        block.forward = _BlockForward(state, name, block)  # type: ignore[method-assign]
     model._tapesac = state  # type: ignore[assignment]
     return state
 
@@ -293,8 +375,25 @@ def _run_block(
         state.warned_unkeyable = True
         warnings.warn(_unkeyable_message(name, unkeyable_argument(args, kwargs)), stacklevel=3)
     keep = (plan.saves.get(name) or plan.saves.get(key, frozenset())) if plan is not None else frozenset()
+    if (
+        plan is not None
+        and not state.warned_unplanned
+        and name not in plan.saves
+        and key not in plan.saves
+        and any(not isinstance(k, str) for k in plan.saves)  # planned per signature, and not this one
+    ):
+        state.warned_unplanned = True
+        warnings.warn(
+            f"TapeSAC block {name!r} runs with inputs its SavePlan has no entry for (a new batch or sequence "
+            "shape?): it replays everything (replay-only) under the plan's limit's assumptions. Profile and "
+            "plan at each shape you train with, or key the plan by block name",
+            stacklevel=3,
+        )
+    # the save policy is part of a template's identity: a tape recorded under another policy (an earlier
+    # handle's templates=) must not stand in for this one
+    tkey = (key, keep, frozenset(state.config.save_ops), state.config.save_fn)
     if key is not None and state.config.reuse_tapes:
-        template = state.templates.get((key, keep))
+        template = state.templates.get(tkey)
         if template is not None:
             return run_reused(template, Frame(name, stats), block, forward, args, kwargs)
     externals = _external_map(block, args, kwargs)
@@ -302,9 +401,16 @@ def _run_block(
     recorder.keep_outputs = state.keep_outputs
     frame = Frame(name, stats)
 
+    # Every tensor autograd saves holds this hook until backward: it must not hold the recorder (and its
+    # captured values and block inputs) past the forward, so it reaches the recorder through a box that
+    # is emptied once the forward ends.
+    box: list[Recorder | None] = [recorder]
+
     def pack(t: torch.Tensor) -> Any:
-        value = recorder.on_pack(t)
-        return pack_hook(frame, value, t, keep=len(recorder.packs) - 1 in keep)
+        rec = box[0]
+        assert rec is not None, "a TapeSAC pack hook ran after its block's forward ended"
+        value = rec.on_pack(t)
+        return pack_hook(frame, value, t, keep=len(rec.packs) - 1 in keep)
 
     recorder.pack_fn = pack
     try:
@@ -315,6 +421,7 @@ def _run_block(
         # pack -> recorder -> pack is a reference cycle: left in place it keeps the recorder's block inputs
         # (activations, on the GPU) alive after backward until the cyclic collector runs
         recorder.pack_fn = None
+        box[0] = None
     if (recorder.inner_checkpoint or recorder.inner_hooks) and not state.warned_inner:
         state.warned_inner = True
         warnings.warn(_inner_hooks_message(name, recorder), stacklevel=3)
@@ -332,9 +439,9 @@ def _run_block(
     )
     if state.on_record is not None:
         state.on_record(name, key, tape, recorder)
-    if key is not None and state.config.reuse_tapes and not state.templates.seen_ineligible((key, keep)):
+    if key is not None and state.config.reuse_tapes and not state.templates.seen_ineligible(tkey):
         assert frame.plan is not None
-        state.templates.put((key, keep), template_from(tape, frame.plan, keep))
+        state.templates.put(tkey, template_from(tape, frame.plan, keep))
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -82,6 +82,9 @@ class Frame:
         for key in self.pending:
             if key in tape.captured:
                 self.saved[key] = tape.captured[key]
+        # Hold only what backward reads: captured values it never reads (a save policy's choices that
+        # backward does not consume) are freed with the recorder, not kept until backward.
+        self.tape = replace(tape, captured={})
 
     def unpack(self, handle: Handle) -> torch.Tensor:
         if handle.used:
