@@ -44,13 +44,9 @@ _SERIAL_FILES = {
 }
 
 
-# Files in those folders that start no process and assert no time (the memory CLI runs in-process).
-_PARALLEL_FILES = {"tests/integration/test_memory_cli.py"}
-
-
 def _is_serial(path, config) -> bool:
     rel = Path(str(path)).relative_to(Path(str(config.rootpath))).as_posix()
-    return (rel.startswith(_SERIAL_DIRS) and rel not in _PARALLEL_FILES) or rel in _SERIAL_FILES
+    return rel.startswith(_SERIAL_DIRS) or rel in _SERIAL_FILES
 
 
 def pytest_ignore_collect(collection_path, config):
