@@ -292,7 +292,17 @@ def _parse_inject(spec: str) -> dict[str, Any]:
             f"--inject {spec!r}: use slow:rank=R,factor=F,at=S[,for=D] (a device) or slow-link:... (rank R's "
             "network link); fail-stop is `steptune resilience failstop`"
         )
-    kv = dict(item.split("=", 1) for item in rest.split(",") if item)
+    kv: dict[str, str] = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key != key.strip() or value != value.strip() or not key:
+            raise ValueError(
+                f"--inject {spec!r}: {item!r} is not key=value (no spaces): "
+                f"write {kind}:rank=R,factor=F,at=S[,for=D]"
+            )
+        if key in kv:
+            raise ValueError(f"--inject {spec!r}: {key} is given twice")
+        kv[key] = value
     unknown = sorted(set(kv) - {"rank", "factor", "at", "for"})
     if unknown or not {"rank", "factor", "at"} <= set(kv):
         raise ValueError(f"--inject {spec!r}: expected {kind}:rank=R,factor=F,at=S[,for=D]")
@@ -337,6 +347,13 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--inject rank {f['rank']} is outside 0..{args.ranks - 1}")
         if not 0 <= f["start"] < args.steps:
             raise ValueError(f"--inject at={f['start']} never comes: the run has steps 0..{args.steps - 1}")
+    if args.compare:  # the comparison measures from after the warm-up and the fault's first step
+        first = max([5, *(f["start"] + 1 for f in faults)])
+        if args.steps <= first:
+            raise ValueError(
+                f"--compare measures throughput from step {first} on; --steps {args.steps} leaves nothing to "
+                "measure (80 with a fault at step 20 is the documented setting)"
+            )
     links = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow-link"]
     faults = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow"]
     if links and pp * tp > 1:

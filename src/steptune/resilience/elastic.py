@@ -12,8 +12,10 @@ gloo group among themselves and redo the interrupted step, without a restart.
         while ctx.step < steps:
             with ctx.attempt():  # a peer's death: the step is abandoned here and redone
                 items = global_batch(ctx.step)  # the same global batch on every rank
-                loss = sum((loss_fn(model, items[i]) for i in ctx.shard(len(items))), torch.zeros(()))
-                (loss / len(items)).backward()  # by the global batch: the same update for any world
+                mine = ctx.shard(len(items))  # may be empty: fewer items than ranks
+                loss = sum((loss_fn(model, items[i]) for i in mine), torch.zeros(()))
+                if len(mine):  # by the global batch: the same update for any world
+                    (loss / len(items)).backward()
                 losses[ctx.step] = ctx.sync(model, loss)  # SUM of gradients and loss over the survivors
                 opt.step()
                 opt.zero_grad()
@@ -398,6 +400,10 @@ def launch(
             f"launch: fn and args must pickle, since the spawned ranks import them by name (make fn a "
             f"module-level function): {err}"
         ) from None
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(
+            f"node_rank {node_rank} is not one of the job's hosts 0..{nnodes - 1} (nnodes={nnodes})"
+        )
     if nnodes > 1 or master is not None:
         if master is None:
             raise ValueError("an elastic job across hosts needs master (HOST:PORT of node 0, or file:PATH)")

@@ -68,10 +68,14 @@ _BYTES_PER_PARAM = 16.0
 def parse_layout(text: str) -> tuple[int, int, int]:
     """``"dp=2,pp=2"`` -> (dp, pp, tp). Live, TP and PP do not combine (one of them is 1)."""
     out = {"dp": 1, "pp": 1, "tp": 1}
+    seen: set[str] = set()
     for part in text.split(","):
         key, _, value = part.partition("=")
         if key.strip() not in out or not value.strip().isdigit() or int(value) < 1:
             raise ValueError(f"layout {text!r}: use comma-separated dp=N,pp=N or dp=N,tp=N with N >= 1")
+        if key.strip() in seen:
+            raise ValueError(f"layout {text!r}: {key.strip()} is given twice")
+        seen.add(key.strip())
         out[key.strip()] = int(value)
     if out["tp"] > 1 and out["pp"] > 1:
         raise ValueError(f"layout {text!r}: the live jobs run TP or PP, not both; use dp=N,pp=M or dp=N,tp=M")

@@ -4,8 +4,9 @@ A loop adds four calls (docs/resilience.md shows the whole loop)::
 
     rt = Runtime(group, stage_model, RuntimeConfig(), faults=[SlowFault(rank=1, factor=1.6, start=20)])
     for step in range(steps):
-        for i in rt.assign(lengths):                     # this rank's microbatches under the current plan
-            with rt.timed(lengths[i]):                   # forward + backward of microbatch i
+        mbs = [[1024, 512], [2048], [256, 256, 512]]     # the step's microbatches: sequence lengths each
+        for i in rt.assign(mbs):                         # this rank's microbatches under the current plan
+            with rt.timed(mbs[i]):                       # forward + backward of microbatch i
                 loss_sum(model, batch[i]).backward()
         all_reduce_grads(...)                            # the loop's own collective
         report = rt.end_step()                           # gather timings -> predictor -> detector -> plan
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -74,6 +76,25 @@ class SlowFault:
     start: int
     duration: int | None = None
 
+    def __post_init__(self) -> None:
+        def whole(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        what = type(self).__name__
+        if not whole(self.rank) or self.rank < 0:
+            raise ValueError(f"{what}(rank={self.rank!r}): a rank is a whole number >= 0")
+        if not (isinstance(self.factor, int | float) and 1 <= self.factor < math.inf):
+            raise ValueError(
+                f"{what}(factor={self.factor!r}): a slowdown factor is a finite number >= 1 "
+                "(1.6: 1.6x slower)"
+            )
+        if not whole(self.start) or self.start < 0:
+            raise ValueError(f"{what}(start={self.start!r}): the first slow step, a whole number >= 0")
+        if self.duration is not None and (not whole(self.duration) or self.duration < 1):
+            raise ValueError(
+                f"{what}(duration={self.duration!r}): steps, a whole number >= 1 (None: forever)"
+            )
+
     def factor_at(self, rank: int, step: int) -> float:
         if rank != self.rank or step < self.start:
             return 1.0
@@ -108,6 +129,39 @@ class RuntimeConfig:
     iteration_threshold: float = 0.10
     """The baseline rule reported alongside: alarm when an iteration exceeds its trailing median by this."""
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.emulate, bool) or not isinstance(self.adapt, bool):
+            raise ValueError(
+                f"RuntimeConfig: emulate and adapt are True or False, got {self.emulate!r}, {self.adapt!r}"
+            )
+        if self.timing not in ("auto", "cuda", "wall"):
+            raise ValueError(f"RuntimeConfig.timing must be 'auto', 'cuda' or 'wall', got {self.timing!r}")
+        checks = (
+            (
+                "time_scale",
+                self.time_scale,
+                "> 0 (wall seconds per emulated second)",
+                lambda v: 0 < v < math.inf,
+            ),
+            ("noise_sigma", self.noise_sigma, ">= 0 (lognormal sigma)", lambda v: 0 <= v < math.inf),
+            ("iteration_threshold", self.iteration_threshold, "> 0 (0.10: 10%)", lambda v: 0 < v < math.inf),
+        )
+        for name, value, rule, ok in checks:
+            if not isinstance(value, int | float) or isinstance(value, bool) or not ok(value):
+                raise ValueError(f"RuntimeConfig.{name} must be a finite number {rule}, got {value!r}")
+
+
+def _check_lengths(lengths: Any, what: str) -> None:
+    """A microbatch: a non-empty list (or array) of sequence lengths, each a whole number >= 1."""
+    if isinstance(lengths, numbers.Number | str) or not hasattr(lengths, "__iter__"):
+        raise TypeError(
+            f"{what}: a microbatch is the list of its sequences' lengths (e.g. [1024, 512]), "
+            f"got {lengths!r}; assign() takes a list of them: [[1024, 512], [2048]]"
+        )
+    values = list(lengths)
+    if not values or any(not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1 for n in values):
+        raise ValueError(f"{what}: each sequence length must be a whole number >= 1, got {values!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,18 +220,23 @@ class Runtime:
         self.rank, self.world = group.rank(), group.size()
         self.stage = stage
         self.config = config or RuntimeConfig()
-        if self.config.timing not in ("auto", "cuda", "wall"):
-            raise ValueError(
-                f"RuntimeConfig.timing must be 'auto', 'cuda' or 'wall', got {self.config.timing!r}"
-            )
         if self.config.timing == "cuda" and not self.config.emulate and not torch.cuda.is_available():
             raise ValueError("RuntimeConfig(timing='cuda') needs a CUDA device; use timing='wall' or 'auto'")
+        for name, given in (("faults", faults), ("link_faults", link_faults)):
+            if isinstance(given, SlowFault) or not isinstance(given, Sequence):
+                raise TypeError(f"Runtime({name}=...) takes a list of faults, e.g. [SlowFault(...)]")
         self.faults = tuple(faults)
         self.link_faults = tuple(link_faults)
         checks: list[SlowFault] = [*self.faults, *self.link_faults]
         for f in checks:
-            if not 0 <= f.rank < self.world or f.factor <= 0:
-                raise ValueError(f"{f}: rank must be in [0, {self.world}) and factor > 0")
+            if not 0 <= f.rank < self.world:
+                raise ValueError(f"{f}: rank must be in [0, {self.world})")
+        if checks and not self.config.emulate:
+            raise ValueError(
+                "injected faults slow the emulated device time; with RuntimeConfig(emulate=False) the real "
+                "device time is measured and a fault would inject nothing: slow the device for real (e.g. a "
+                "competing kernel) or emulate"
+            )
         self.comm_detector = ResiHPDetector(self.config.detector)
         self._comm: list[tuple[float, float]] = []  # (modelled healthy seconds, observed seconds)
         self.predictor = WorkloadPredictor(self.config.predictor)
@@ -192,6 +251,7 @@ class Runtime:
         self._pending: list[tuple[float, float, float, Any, Any]] = []
         self._pending_comm: list[tuple[float, Any, Any]] = []
         self._tokens = 0
+        self._open = False  # a timed() block is running
         self._last = time.perf_counter()
 
     # -- the plan ------------------------------------------------------------------------------------
@@ -203,7 +263,10 @@ class Runtime:
         return self.stage.time(lengths, "F") + self.stage.time(lengths, "B") + self.stage.time(lengths, "W")
 
     def assign(self, microbatches: Sequence[Sequence[int]]) -> list[int]:
-        """Indices of this step's microbatches this rank runs (FLOPs- and speed-aware LPT)."""
+        """Indices of this step's microbatches this rank runs (FLOPs- and speed-aware LPT). Each
+        microbatch is the list of its sequences' lengths: ``[[1024, 512], [2048]]``."""
+        for i, mb in enumerate(microbatches):
+            _check_lengths(mb, f"microbatch {i}")
         self._tokens = sum(sum(mb) for mb in microbatches)
         return lpt_assign([self.cost(mb) for mb in microbatches], self.speeds)[self.rank]
 
@@ -229,6 +292,20 @@ class Runtime:
         """
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        _check_lengths(lengths, "timed(lengths)")
+        if self._open:
+            raise RuntimeError(
+                "timed() blocks do not nest: each times one microbatch; close the outer one first"
+            )
+        self._open = True
+        try:
+            yield from self._timed(lengths, part, phases, fraction)
+        finally:
+            self._open = False
+
+    def _timed(
+        self, lengths: Sequence[int], part: StageModel | None, phases: Sequence[str], fraction: float
+    ) -> Iterator[None]:
         cfg = self.config
         part = part or self.stage
         nominal = sum(part.time(lengths, p) for p in phases) * fraction
@@ -375,6 +452,8 @@ class Runtime:
 
     def end_step(self, tokens: int | None = None) -> StepReport:
         """The safe point; ``tokens``: the step's global tokens when ``assign`` was not used."""
+        if self._open:
+            raise RuntimeError("end_step() inside a timed() block: close it (a with block) first")
         if tokens is not None:
             self._tokens = tokens
         self._read_events()  # on CUDA: the step's kernels have finished before the wall clock is read
@@ -432,5 +511,6 @@ class Runtime:
             comm_s=tuple(comm[1]) if comm is not None else (),
         )
         self.reports.append(report)
+        self._tokens = 0  # the next step's come from its assign() or end_step(tokens=)
         self.step += 1
         return report

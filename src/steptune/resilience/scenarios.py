@@ -135,13 +135,15 @@ def _cell(column: str, text: str, convert: type, what: str) -> Any:
 
 def read_csv(path: Path, *, num_devices: int | None = None) -> tuple[FailureEvent, ...]:
     """Failures from a CSV trace; a bad row raises ``ValueError`` naming the file and line."""
-    rows = list(csv.reader(io.StringIO(read_text(path, "scenario CSV"), newline="")))
+    text = read_text(path, "scenario CSV").removeprefix("\ufeff")  # a BOM, as spreadsheets save CSV
+    rows = list(csv.reader(io.StringIO(text, newline="")))
     header = tuple(x.strip() for x in rows[0]) if rows else ()
     if header not in (_FIELDS, (*_FIELDS, _TARGET)):
         raise ValueError(
             f"{path}: the first line must be the header {','.join(_FIELDS)} (optionally ,{_TARGET})"
         )
     out = []
+    stopped: dict[int, int] = {}  # device -> line of its fail-stop
     for line, row in enumerate(rows[1:], start=2):
         if not row or not "".join(row).strip():
             continue
@@ -165,5 +167,12 @@ def read_csv(path: Path, *, num_devices: int | None = None) -> tuple[FailureEven
             raise ValueError(
                 f"{path}:{line}: device {ev.device} is not among the job's {num_devices} devices"
             )
+        if ev.kind == "fail-stop" and ev.device in stopped:
+            raise ValueError(
+                f"{path}:{line}: device {ev.device} already fails (fail-stop) at line {stopped[ev.device]}; "
+                "a device stops once"
+            )
+        if ev.kind == "fail-stop":
+            stopped[ev.device] = line
         out.append(ev)
     return tuple(out)

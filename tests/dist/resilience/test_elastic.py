@@ -249,3 +249,32 @@ def test_ddp_on_one_rank_trains_as_the_plain_loop_and_refuses_a_group_of_its_own
     ctx = Elastic(master_store(), 0, [0], timeout_s=5)
     with pytest.raises(ValueError, match=r"\['process_group'\] cannot be given"):
         ctx.ddp(nn.Linear(2, 2), process_group=None)
+
+
+def _docs_loop(ctx: Elastic, steps: int, n: int) -> dict[int, float]:
+    """The loop of docs/resilience.md and elastic.py's docstring, on a batch of ``n`` items."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx.track(model, opt)
+    losses = {}
+    while ctx.step < steps:
+        with ctx.attempt():
+            g = torch.Generator().manual_seed(ctx.step)
+            items = [torch.randn(4, generator=g) for _ in range(n)]
+            mine = ctx.shard(len(items))
+            loss = sum(((model(items[i]) ** 2).sum() for i in mine), torch.zeros(())) / len(items)
+            if len(mine):
+                loss.backward()
+            losses[ctx.step] = ctx.sync(model, loss)
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def test_the_documented_loop_runs_when_a_rank_gets_no_items():
+    # Found in review: with fewer items than ranks, a rank's sum() was the int 0 (or a zero tensor that
+    # needs no grad) and its backward() stopped the job.
+    res = launch(_docs_loop, 2, 3, 1, timeout_s=120)
+    assert res["survivors"] == [0, 1], res
+    assert res["results"][0] == res["results"][1] and sorted(res["results"][0]) == [0, 1, 2], res

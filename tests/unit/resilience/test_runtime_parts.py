@@ -139,3 +139,101 @@ def test_timing_is_checked():
 
     with pytest.raises(ValueError, match="'auto', 'cuda' or 'wall'"):
         Runtime(_One(), stage_model(), config=RuntimeConfig(timing="events"))
+
+
+def test_config_and_faults_out_of_range_are_refused_where_they_are_made():
+    from steptune.resilience.runtime import RuntimeConfig
+
+    for kw, says in (
+        ({"time_scale": 0}, "time_scale must be a finite number > 0"),
+        ({"time_scale": -0.01}, "time_scale"),
+        ({"time_scale": float("nan")}, "time_scale"),
+        ({"time_scale": "0.01"}, "time_scale"),
+        ({"noise_sigma": -1}, "noise_sigma must be a finite number >= 0"),
+        ({"iteration_threshold": -1}, "iteration_threshold"),
+        ({"emulate": "no"}, "emulate and adapt are True or False"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            RuntimeConfig(**kw)
+    for kw, says in (
+        ({"factor": float("inf")}, "finite number >= 1"),  # slept forever in step 1 before
+        ({"factor": 0.5}, "finite number >= 1"),
+        ({"start": -5}, "whole number >= 0"),
+        ({"duration": 0}, "whole number >= 1"),
+        ({"rank": 0.5}, "a rank is a whole number"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            SlowFault(**{"rank": 0, "factor": 2.0, "start": 1, **kw})
+
+
+def test_runtime_refuses_what_would_silently_do_nothing_or_crash_later():
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.runtime import Runtime, RuntimeConfig
+
+    fault = SlowFault(rank=0, factor=5.0, start=2)
+    with pytest.raises(ValueError, match=r"emulate=False.*inject nothing"):
+        Runtime(_One(), stage_model(), RuntimeConfig(emulate=False, timing="wall"), faults=[fault])
+    with pytest.raises(TypeError, match="takes a list of faults"):
+        Runtime(_One(), stage_model(), faults=fault)  # type: ignore[arg-type]
+    rt = Runtime(_One(), stage_model(), RuntimeConfig(time_scale=1e-6))
+    for mbs, error, says in (
+        (
+            [[], [1024]],
+            ValueError,
+            r"microbatch 0: each sequence length must be a whole number >= 1, got \[\]",
+        ),
+        ([[0], [1024]], ValueError, "microbatch 0"),
+        ([[-1024]], ValueError, "microbatch 0"),
+        ([[1024.5]], ValueError, "microbatch 0"),
+        ([1024, 512], TypeError, r"assign\(\) takes a list of them"),  # a flat list of lengths
+    ):
+        with pytest.raises(error, match=says):
+            rt.assign(mbs)
+    import numpy as np
+
+    assert rt.assign([np.array([512, 512]), [np.int64(1024)]]) == [0, 1]  # arrays and numpy ints are fine
+    with rt.timed([1024]), pytest.raises(RuntimeError, match="do not nest"), rt.timed([512]):
+        pass
+    ctx = rt.timed([1024])
+    ctx.__enter__()
+    with pytest.raises(RuntimeError, match="inside a timed"):
+        rt.end_step(tokens=1024)
+    ctx.__exit__(None, None, None)
+    assert rt.end_step().tokens == 2048  # the assign() above
+    assert rt.end_step().tokens == 0  # a step with no assign() is not credited the last one's tokens
+
+
+def test_injections_and_layouts_given_twice_or_spaced_are_refused(capsys):
+    from steptune.cli import main
+    from steptune.resilience.pipelined import parse_layout
+
+    for spec, says in (
+        ("slow:rank=1,factor=1.6,at=2,rank=0", "rank is given twice"),  # rank 0 was slowed before
+        ("slow:rank1,factor=1.6,at=2", "'rank1' is not key=value"),
+        ("slow:rank=1, factor=1.6,at=2", "no spaces"),
+    ):
+        assert main(["resilience", "run", "--inject", spec]) == 2
+        assert says in capsys.readouterr().err
+    with pytest.raises(ValueError, match="dp is given twice"):
+        parse_layout("dp=2,dp=1")
+    args = ["resilience", "run", "--compare", "--steps", "3", "--inject", "slow:rank=1,factor=2,at=2"]
+    assert main(args) == 2  # before spawning three jobs
+    assert "leaves nothing to measure" in capsys.readouterr().err
+
+
+def test_a_scenario_csv_with_a_bom_reads_and_a_second_fail_stop_of_a_device_is_refused(tmp_path):
+    from steptune.resilience.scenarios import read_csv
+
+    path = tmp_path / "s.csv"
+    path.write_text("kind,device,start_s,duration_s,factor\nfail-stop,3,600,inf,1\n", encoding="utf-8-sig")
+    assert [e.device for e in read_csv(path)] == [3]
+    path.write_text("kind,device,start_s,duration_s,factor\nfail-stop,3,600,inf,1\nfail-stop,3,900,inf,1\n")
+    with pytest.raises(ValueError, match=r"s.csv:3: device 3 already fails \(fail-stop\) at line 2"):
+        read_csv(path)
+
+
+def test_an_elastic_node_rank_outside_the_job_is_refused():
+    from steptune.resilience.elastic import launch, toy_train
+
+    with pytest.raises(ValueError, match=r"node_rank 3 is not one of the job's hosts 0..0"):
+        launch(toy_train, 2, 3, node_rank=3)
