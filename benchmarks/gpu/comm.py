@@ -33,6 +33,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import torch
 
+from steptune.comm.constants import gamma_resolved
+
 W = 8
 
 
@@ -196,8 +198,9 @@ def interference(reps: int) -> dict[str, Any]:
 
 def fit(r: dict[str, Any], inter: dict[str, Any] | None, hbm_bw: float | None) -> dict[str, float]:
     """The largest size of each rate (steady state), and gamma from the copy-engine interference where it
-    is resolved: the slowdown beside the copy must exceed what the same baseline measured twice differs by.
-    Otherwise gamma stays out of the fit (calibration keeps the cited value) and ``inter`` says why."""
+    is resolved: the slowdown beside the copy must exceed twice what the same baseline measured twice
+    differs by (``steptune.comm.constants.gamma_resolved``, the rule calibration applies too). Otherwise
+    gamma stays out of the fit (calibration keeps the cited value) and ``inter`` says why."""
     f = {
         "copy_out_bytes_per_s": r["copy_out"][-1]["bytes_per_s"],
         "chunk_cat_elems_per_s": r["chunk_cat_bf16_fp32"][-1]["elems_per_s"],
@@ -212,7 +215,7 @@ def fit(r: dict[str, Any], inter: dict[str, Any] | None, hbm_bw: float | None) -
         inter["ce_copy_hbm_fraction"] = u
         inter["hbm_contention_estimate"] = max(0.0, slow / u) if u > 0 else 0.0
         inter["hbm_contention_noise_floor"] = floor / u if u > 0 else 0.0
-        inter["hbm_contention_resolved"] = u > 0 and slow > floor
+        inter["hbm_contention_resolved"] = u > 0 and gamma_resolved(inter)  # over twice the noise floor
         if inter["hbm_contention_resolved"]:
             f["hbm_contention"] = inter["hbm_contention_estimate"]
     return f

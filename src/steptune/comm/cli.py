@@ -31,6 +31,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_gpus(gpus: int) -> None:
+    if gpus < 2:
+        raise ValueError(
+            f"--gpus {gpus}: FSDP shards over W >= 2 GPUs (at W = 1 there is nothing to communicate and "
+            "enable_tide keeps stock FSDP2)"
+        )
+
+
 def _consts(path: str | None) -> Any:
     from steptune.comm.constants import CommConstants, calibrated
 
@@ -40,6 +48,7 @@ def _consts(path: str | None) -> Any:
 def _simulate(args: argparse.Namespace) -> int:
     from steptune.comm.simreport import simulate_all, simulate_table
 
+    _check_gpus(args.gpus)
     consts = _consts(args.calibration)
     simulate_table(args.model, args.cluster, args.gpus, consts, args.tokens).print()
     if args.json:
@@ -63,12 +72,17 @@ def _calibrate(args: argparse.Namespace) -> int:
     from steptune.comm.constants import CommConstants
     from steptune.comm.simreport import simulate_table
 
+    _check_gpus(args.gpus)
     consts = _consts(args.results)
     base = CommConstants()
     print(f"calibrated from {consts.calibrated_from}")
     for k in ("copy_out_bytes_per_s", "chunk_cat_elems_per_s", "pack_elems_per_s", "cast_elems_per_s",
               "accumulate_elems_per_s", "hbm_contention"):  # fmt: skip
-        print(f"  {k:24s} {getattr(base, k):.4g} (cited) -> {getattr(consts, k):.4g} (measured)")
+        if k in consts.fitted:
+            print(f"  {k:24s} {getattr(base, k):.4g} (cited) -> {getattr(consts, k):.4g} (measured)")
+        else:
+            why = ": the file's value is inside its noise floor" if k == "hbm_contention" else ""
+            print(f"  {k:24s} {getattr(base, k):.4g} (cited; not fitted{why})")
     simulate_table(args.model, args.cluster, args.gpus, consts).print()
     print(f"use it: steptune comm simulate --calibration {args.results} ...")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -59,20 +60,64 @@ class CommConstants:
     """TIDE-RS staging slots per direction (K)."""
     calibrated_from: str = ""
     """Where measured values came from (empty: all constants as cited above)."""
+    fitted: tuple[str, ...] = ()
+    """The constants measured on hardware (the rest are cited)."""
+    calibrated_device: str = ""
+    """The device those were measured on, as the GPU names itself ("NVIDIA H200")."""
 
     def for_device(self, device: DeviceSpec) -> CommConstants:
-        """Kernel rates scaled from H100 to ``device`` by HBM bandwidth, unless calibrated on hardware."""
-        if self.calibrated_from:
-            return self
-        s = device.memory_bandwidth / H100_HBM
-        return replace(
-            self,
-            copy_out_bytes_per_s=self.copy_out_bytes_per_s * s,
-            chunk_cat_elems_per_s=self.chunk_cat_elems_per_s * s,
-            pack_elems_per_s=self.pack_elems_per_s * s,
-            cast_elems_per_s=self.cast_elems_per_s * s,
-            accumulate_elems_per_s=self.accumulate_elems_per_s * s,
+        """Kernel rates on ``device``: cited (H100) rates scaled by HBM bandwidth; measured ones as they are
+        on the device they were measured on, and scaled by HBM bandwidth from it on another (see
+        ``device_note``)."""
+        scaled = {}
+        for k in _RATES:
+            if k in self.fitted:
+                source = _bandwidth_of(self.calibrated_device)
+                if source is None or device_token(device.name) == device_token(self.calibrated_device):
+                    continue
+                scaled[k] = getattr(self, k) * device.memory_bandwidth / source
+            else:
+                scaled[k] = getattr(self, k) * device.memory_bandwidth / H100_HBM
+        return replace(self, **scaled) if scaled else self
+
+    def device_note(self, device: DeviceSpec) -> str | None:
+        """What a table on ``device`` should say about measured rates from another device, else None."""
+        if not self.fitted or device_token(device.name) == device_token(self.calibrated_device):
+            return None
+        if _bandwidth_of(self.calibrated_device) is None:
+            return (
+                f"rates measured on {self.calibrated_device or 'an unknown device'} are used unscaled on "
+                f"{device.name}: calibrate on the device you simulate"
+            )
+        return (
+            f"rates measured on {self.calibrated_device}, scaled to {device.name} by HBM bandwidth "
+            "(an assumption): calibrate on the device you simulate"
         )
+
+
+_RATES = (
+    "copy_out_bytes_per_s",
+    "chunk_cat_elems_per_s",
+    "pack_elems_per_s",
+    "cast_elems_per_s",
+    "accumulate_elems_per_s",
+)
+
+
+def device_token(name: str) -> str:
+    """The GPU model in a device name: "H200" in "NVIDIA H200" and in "H200-SXM-141GB"."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4})", name.upper())
+    return m.group(1) if m else name
+
+
+def _bandwidth_of(device_name: str) -> float | None:
+    from steptune.core.specs import cluster_preset, list_cluster_presets
+
+    for preset in list_cluster_presets():
+        d = cluster_preset(preset).device
+        if device_token(d.name) == device_token(device_name):
+            return d.memory_bandwidth
+    return None
 
 
 _CALIBRATABLE = (
@@ -103,5 +148,29 @@ def calibrated(path: str | Path, base: CommConstants | None = None) -> CommConst
             raise ValueError(f"{path}: fitted {k}={v!r} is not a positive number")
     names = {f.name for f in fields(CommConstants)}
     assert set(_CALIBRATABLE) <= names
-    device = data.get("device", "unknown device")
-    return replace(base or CommConstants(), **fit, calibrated_from=f"{path} ({device})")
+    fit = dict(fit)
+    if "hbm_contention" in fit and not gamma_resolved(data.get("interference")):
+        del fit["hbm_contention"]  # inside the method's noise: the cited value stays
+    device = str(data.get("device", "unknown device"))
+    return replace(
+        base or CommConstants(),
+        **fit,
+        calibrated_from=f"{path} ({device})",
+        fitted=tuple(fit),
+        calibrated_device=device,
+    )
+
+
+def gamma_resolved(interference: Any) -> bool:
+    """Whether a comm.py interference section resolves gamma: the GEMM's slowdown beside the copy is over
+    twice what the same baseline measured twice differs by. Files from before that baseline existed
+    (no ``alone_again_s``) do not resolve it."""
+    if not isinstance(interference, dict):
+        return False
+    try:
+        base = float(interference["gemm"]["alone_s"])
+        slow = float(interference["with_ce_copy_s"]) / base - 1
+        floor = abs(float(interference["alone_again_s"]) / base - 1)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return False
+    return slow > 2 * floor

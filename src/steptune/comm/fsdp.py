@@ -229,6 +229,14 @@ class TideHandle:
     def disable(self) -> None:
         """Back to stock FSDP2 (call between steps, with the model resharded)."""
         for st in self._states:
+            if any(fp.sharded_state != _sharded() for fp in st.fsdp_params):
+                raise ValueError(
+                    f"group {st.fqn} is unsharded (a forward with reshard_after_forward=False, or no "
+                    "backward yet): call disable() between steps with parameters sharded, e.g. after "
+                    "reshard() on every FSDP module (m.reshard() for m in model.modules() if isinstance(m, "
+                    "FSDPModule))"
+                )
+        for st in self._states:
             st.detach()
         self._states = []
         if self._installed:
@@ -296,6 +304,9 @@ def _ineligible(g: Any) -> str | None:
             return f"{name}: all-gather extension (fsdp_pre_all_gather)"
         if (dtype := fp.sharded_param.dtype) not in (torch.float32, torch.bfloat16):
             return f"{name}: parameter dtype {dtype}"
+    gathered = {mp.param_dtype or fp.sharded_param.dtype for fp in g.fsdp_params}
+    if len(gathered) > 1:  # TIDE gathers a group into one buffer of one dtype
+        return f"parameters all-gathered in {len(gathered)} dtypes ({', '.join(sorted(map(str, gathered)))})"
     if any(fp.sharded_state != _sharded() for fp in g.fsdp_params):
         raise ValueError(f"group {g._module_fqn}: call enable_tide between steps, with parameters sharded")
     return None

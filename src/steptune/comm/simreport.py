@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from steptune.comm.constants import CommConstants
+from steptune.comm.constants import _CALIBRATABLE, CommConstants
 from steptune.comm.costmodel import SYSTEMS, layer_comm, wave_slowdown
 from steptune.comm.stepmodel import StepConfig, StepResult, simulate_step
 from steptune.core.report import Table
@@ -23,7 +23,7 @@ __all__ = [
 
 DEFAULT_MODELS = ("llama3.1-70b", "wan2.2-14b", "qwen3-30b-a3b")
 DEFAULT_CLUSTERS = ("dgx-h100", "dgx-h200", "gb200-nvl72")
-_SIM = "SIMULATED: per-layer event model with cited constants (docs/comm.md), not a measurement"
+_SIM = "SIMULATED: per-layer event model (docs/comm.md), not a measurement"
 
 
 def simulate_all(
@@ -34,6 +34,15 @@ def simulate_all(
         c = c.with_nodes(-(-gpus // c.gpus_per_node))
     cfg = StepConfig(num_gpus=gpus, tokens_per_gpu=tokens)
     return {s.value: simulate_step(spec, c, cfg, s, consts) for s in SYSTEMS}
+
+
+def _constants_note(consts: CommConstants) -> str:
+    if not consts.calibrated_from:
+        return "constants: as cited (none calibrated on hardware)"
+    cited = [k for k in _CALIBRATABLE if k not in consts.fitted]
+    return f"constants: {', '.join(consts.fitted)} measured ({consts.calibrated_from})" + (
+        f"; {', '.join(cited)} as cited" if cited else ""
+    )
 
 
 def simulate_table(model: str, cluster: str, gpus: int, consts: CommConstants, tokens: int = 8192) -> Table:
@@ -52,8 +61,11 @@ def simulate_table(model: str, cluster: str, gpus: int, consts: CommConstants, t
             "RS buf GiB",
             "peak GiB",
         ],
-        notes=[_SIM, f"constants: {consts.calibrated_from or 'as cited (none calibrated on hardware)'}"],
+        notes=[_SIM, _constants_note(consts)],
     )
+    device_note = consts.device_note(cluster_preset(cluster).device)
+    if device_note:
+        t.notes.append(device_note)
     for name, r in res.items():
         t.add(
             name,

@@ -31,6 +31,8 @@ CASES = {
         "extension",
         "unsupported_internals",
         "self_test_fails",
+        "mixed_dtypes",
+        "disable_unsharded",
     ),
     4: ("hsdp", "reshard_int", "tensor_parallel"),
 }
@@ -64,7 +66,15 @@ def _shard(model: nn.Sequential, case: str, mesh: Any, group: Any) -> None:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     elif case == "reshard_int":
         kwargs["reshard_after_forward"] = 2
+    elif case == "mixed_dtypes":  # no param_dtype: each parameter is gathered in its own dtype
+        kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    elif case == "disable_unsharded":
+        kwargs["reshard_after_forward"] = False
     layers = [m for m in model if isinstance(m, nn.Linear)]
+    if case == "mixed_dtypes":  # a frozen fp32 scale beside bf16 weights (values bf16 cannot hold)
+        for layer in layers:
+            layer.to(torch.bfloat16)
+        layers[0].register_parameter("scale", nn.Parameter(torch.full((4,), 1 + 2**-12), requires_grad=False))
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -143,12 +153,35 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
         try:
             for step in range(2):
                 x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+                x = x.to(torch.bfloat16) if case == "mixed_dtypes" else x
                 for m, opt in zip((stock, tide), opts, strict=True):
                     m(x).float().pow(2).mean().backward()
                     opt.step()
                     opt.zero_grad()
         finally:
             compiled_autograd.in_compiled_autograd_region = False  # type: ignore[attr-defined]
+    if case == "disable_unsharded":  # a no-grad forward leaves the groups unsharded (no reshard after it)
+        with torch.no_grad():
+            tide(torch.randn(4, 16))
+            stock(torch.randn(4, 16))
+        try:
+            handle.disable()  # corrupted later steps before (1e-2 off)
+        except ValueError as err:
+            refused = "call disable() between steps with parameters sharded" in str(err)
+        else:
+            refused = False
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in (*tide.modules(), *stock.modules()):
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        handle.disable()
+        for step in range(2):  # stock FSDP2 from here, on both
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 + step + rank))
+            for m, opt in zip((stock, tide), opts, strict=True):
+                m(x).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
     equal = all(
         torch.equal(
             a.full_tensor() if hasattr(a, "full_tensor") else a,
@@ -156,6 +189,8 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
         )
         for a, b in zip(stock.parameters(), tide.parameters(), strict=True)
     )
+    if case == "disable_unsharded":
+        return {"groups": handle.groups, "refused": refused, "bitwise_equal": equal}
     handle.disable()
     return {
         "groups": handle.groups,

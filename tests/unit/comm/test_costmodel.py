@@ -92,3 +92,20 @@ def test_headline_reports_the_paper_quantities():
     assert 0 < h["stock_layout_share"] < 0.5
     assert h["rs_sm_time_ratio"] > 1 and h["single_wave_gemm_slowdown"] == 1.0
     assert set(h["rs_buffer_at_fixed_output"]) == {"stock", "symmmem", "tide"}
+
+
+def test_tide_config_and_a_one_gpu_simulation_are_refused_with_what_to_change(capsys):
+    from steptune.cli import main
+    from steptune.comm.config import TideConfig
+
+    for kw, says in (
+        ({"align_bytes": 0}, "align_bytes must be a power of two"),  # a failed self-test before
+        ({"align_bytes": 3}, "align_bytes must be a power of two"),
+        ({"max_inflight_bytes": 0}, "max_inflight_bytes must be >= 1"),
+        ({"max_inflight_bytes": -1}, "max_inflight_bytes must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            TideConfig(**kw)
+    for verb in (["simulate"], ["calibrate", "x.json"]):
+        assert main(["comm", *verb, "--gpus", "1"]) == 2  # showed a TIDE win where TIDE never runs
+        assert "W >= 2" in capsys.readouterr().err
