@@ -71,3 +71,64 @@ def test_optimize_finds_the_fastest_embedded_candidate(tmp_path, capsys):
     verdicts = {c["verdict"] for c in data["candidates"]}
     assert "incorrect" in verdicts and "correct" in verdicts
     assert data["candidates"][0]["speedup"] > 1.0
+
+
+def _flaky_server(code: str):  # type: ignore[no-untyped-def]
+    """An OpenAI-compatible server: its first chat answer carries ``code``, later ones are HTTP 500."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    chats = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def _send(self, status: int, body: str, ctype: str = "application/json") -> None:
+            data = body.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._send(200, json.dumps({"object": "list", "data": [{"id": "m"}]}))
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path == "/tokenize":
+                return self._send(
+                    200, json.dumps({"tokens": [1, 2], "token_strs": ["<|user|>", "hi"], "count": 2})
+                )
+            chats.append(self.path)
+            if len(chats) > 1:
+                return self._send(500, json.dumps({"error": {"message": "engine dead"}}))
+            chunks = [{"choices": [{"index": 0, "delta": {"content": "```python\n" + code + "```\n"}}]},
+                      {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]  # fmt: skip
+            stream = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            return self._send(200, stream, "text/event-stream")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_optimize_keeps_what_it_found_when_the_llm_server_fails(tmp_path, capsys):
+    # Found in review: one HTTP 500 after a good kernel ended the run in a traceback, writing nothing.
+    fast = (EXAMPLES / "softmax" / "c_fast.py").read_text()
+    server = _flaky_server(fast)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        out, js = tmp_path / "best.py", tmp_path / "opt.json"
+        args = ["--iterations", "3", "--policy", "sequential", "--out", str(out), "--json", str(js)]
+        code = main(["kernels", "optimize", "--problem", "softmax", "--llm-url", url, "--model", "m", *args])
+    finally:
+        server.shutdown()
+    captured = capsys.readouterr()
+    assert code == 1 and "the LLM server failed" in captured.err and "HTTP 500" in captured.err
+    assert normalized_hash(out.read_text()) == normalized_hash(fast)
+    report = json.loads(js.read_text())["report"]
+    assert report["stop_reason"].startswith("llm error") and report["best_speedup"] > 0

@@ -233,6 +233,10 @@ def _optimize(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote: {args.json}")
+    if rep.stop_reason.startswith("llm error"):
+        print(f"steptune kernels optimize: the LLM server failed, so the search stopped early "
+              f"({rep.stop_reason}); what it found is written above", file=sys.stderr)  # fmt: skip
+        return 1
     return code
 
 

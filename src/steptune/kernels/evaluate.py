@@ -269,6 +269,14 @@ def _validate(
                     f"the candidate replays the reference's own ops ({' -> '.join(ref_ops[:6])}"
                     f"{' ...' if len(ref_ops) > 6 else ''}) instead of implementing them",
                 )
+            if isinstance(out_c, tuple | list) != isinstance(out_r, tuple | list):
+                what = {True: "a sequence of outputs", False: "a single output"}
+                raise _Verdict(
+                    "incorrect",
+                    f"returns {what[isinstance(out_c, tuple | list)]} ({type(out_c).__name__}) where the "
+                    f"reference returns {what[isinstance(out_r, tuple | list)]} ({type(out_r).__name__}): "
+                    "a drop-in replacement must return the same structure",
+                )
             outs_c, outs_r = _outputs(out_c), _outputs(out_r)
             if len(outs_c) != len(outs_r):
                 raise _Verdict("incorrect", f"returned {len(outs_c)} outputs, the reference {len(outs_r)}")
@@ -295,8 +303,8 @@ def _validate(
                     raise _Verdict("incorrect", f"output {k} has dtype {c.dtype}, expected {r.dtype}")
                 if c.device != r.device:
                     raise _Verdict("incorrect", f"output {k} is on {c.device}, expected {r.device}")
-                atol = problem.get("atol") or tolerance(r.dtype)
-                rtol = problem.get("rtol") or tolerance(r.dtype)
+                atol = problem["atol"] if problem.get("atol") is not None else tolerance(r.dtype)
+                rtol = problem["rtol"] if problem.get("rtol") is not None else tolerance(r.dtype)
                 if r.is_floating_point():
                     bad_nan = torch.isnan(c) & ~torch.isnan(r)
                     if bool(bad_nan.any()):

@@ -76,6 +76,22 @@ class PoolConfig:
     fast) instead of starting each as a fresh interpreter (seconds: it imports torch). Linux only; where
     it cannot work the pool starts fresh interpreters."""
 
+    def __post_init__(self) -> None:
+        week, big = 7 * 86400, 2**48
+
+        def bad(name: str, value: Any, ok: bool, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"PoolConfig.{name} must be {rule}, got {value!r}")
+
+        bad("num_workers", self.num_workers, self.num_workers >= 1, ">= 1")
+        bad("timeout_s", self.timeout_s, 0 < self.timeout_s <= week, "in (0, 604800] seconds")
+        bad("cpu_s", self.cpu_s, self.cpu_s is None or 1 <= self.cpu_s <= week, "None or 1..604800 seconds")
+        bad("memory_bytes", self.memory_bytes, 1 <= self.memory_bytes <= big, "1 byte to 256 TiB")
+        bad("file_bytes", self.file_bytes, 1 <= self.file_bytes <= big, "1 byte to 256 TiB")
+        bad("trials", self.trials, self.trials >= 1, ">= 1 (0 would judge any candidate correct)")
+        bad("rounds", self.rounds, self.rounds >= 1, ">= 1 (a profile is a median over rounds)")
+        bad("round_s", self.round_s, 0 < self.round_s <= 60, "in (0, 60] seconds")
+
 
 @dataclass(slots=True, kw_only=True)
 class Result:

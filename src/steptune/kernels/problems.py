@@ -109,11 +109,12 @@ def load_problem(name_or_path: str | Path) -> Problem:
     """A built-in problem by name, or a problem file by path."""
     text = str(name_or_path)
     path = Path(text)
-    if path.suffix == ".py" or path.exists():
-        if not path.is_file():
-            raise ValueError(f"problem file {text!r} not found")
-        return _parse(path.stem, read_text(path, "problem file"), str(path))
     builtin = BUILTIN_DIR / f"{text}.py"
+    if path.suffix == ".py" or path.is_file() or (path.exists() and not builtin.is_file()):
+        if not path.is_file():
+            what = "is a directory, not a problem file" if path.is_dir() else "not found"
+            raise ValueError(f"problem file {text!r} {what}")
+        return _parse(path.stem, read_text(path, "problem file"), str(path))
     if not builtin.is_file():
         names = ", ".join(builtin_problems())
         raise ValueError(f"unknown problem {text!r}: use a .py file or one of {names}")

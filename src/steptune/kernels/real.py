@@ -85,6 +85,15 @@ class RealLLM:
         self.client, self.problem, self.fork_max_tokens = client, problem, fork_max_tokens
         self._rendered: dict[str, str] = {}
 
+    @property
+    def errors(self) -> tuple[type[BaseException], ...]:
+        """The server's failures: the search stops on one and reports what it found (`Search.run`)."""
+        import httpx
+
+        from steptune.kernels.llm._stream import LLMHTTPError, LLMStreamError
+
+        return (LLMHTTPError, LLMStreamError, httpx.HTTPError)
+
     async def reason(self, prompt: Prompt, stream_id: str) -> _Gen:
         messages = render_messages(self.problem, prompt)
         toks = await self.client.tokenize(messages=messages, return_token_strs=True)

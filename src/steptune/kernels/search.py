@@ -404,15 +404,24 @@ class Search:
                 body.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await body
-            elif body.exception() is not None:
-                raise body.exception()  # type: ignore[misc]
+            elif (exc := body.exception()) is not None:
+                if not isinstance(exc, getattr(self.llm, "errors", ())):
+                    raise exc
+                # The LLM server failed (an HTTP error, a broken stream, a dropped connection): stop here
+                # and report what was found, instead of losing it; candidates in flight get their verdicts.
+                stop_reason = f"llm error: {exc}"
+                for g in it.gens:
+                    await self._close(g)
+                break
             for g in it.gens:
                 await self._close(g)
             index += 1
-        if stop_reason == "iterations" and self.eval_tasks:
+        if (stop_reason == "iterations" or stop_reason.startswith("llm error")) and self.eval_tasks:
             # every proposed candidate still gets its verdict, within what is left of the wall budget
             await asyncio.wait(set(self.eval_tasks), timeout=self.budget.remaining_s(now()))
-        if self.e2e is not None and self.cfg.stop_at_target:
+        if stop_reason.startswith("llm error"):
+            pass  # the reason the search ended, whatever else holds
+        elif self.e2e is not None and self.cfg.stop_at_target:
             stop_reason = "target"
         elif self.budget.exhausted(now()):
             stop_reason = str(self.budget.exhausted(now()))

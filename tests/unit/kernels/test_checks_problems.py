@@ -99,3 +99,15 @@ def test_load_c_compiles_caches_and_reports_errors(tmp_path, monkeypatch):
     assert "error" in info.value.log
     with pytest.raises(ValueError, match="contiguous"):
         ptr(torch.ones(4, 4).t())
+
+
+def test_a_directory_named_like_a_builtin_problem_does_not_shadow_it(tmp_path, monkeypatch):
+
+    from steptune.kernels.problems import load_problem
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "softmax").mkdir()  # was: "problem file 'softmax' not found"
+    assert load_problem("softmax").name == "softmax"
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ValueError, match="'mine' is a directory, not a problem file"):
+        load_problem("mine")

@@ -230,3 +230,24 @@ def test_hundred_candidates_no_leak():
     assert after[2] <= before[2], "scratch files left behind"
     assert after[3] - before[3] < 64 * 2**20, f"memory grew by {(after[3] - before[3]) / 2**20:.0f} MiB"
     print(f"100 candidates in {elapsed:.1f} s; rss {before[3] / 2**20:.0f} -> {after[3] / 2**20:.0f} MiB")
+
+
+def test_structure_and_exact_tolerances_are_judged_and_a_config_that_would_misjudge_is_refused():
+    # Found in review: a tuple where the reference returns a tensor was judged correct, and ATOL = 0.0
+    # fell back to the 1e-4 default (an off-by-1e-5 kernel was correct); trials=0 judged anything correct.
+    import dataclasses
+
+    exact = dataclasses.replace(PROBLEM, name="exact", atol=0.0, rtol=0.0)
+    off = GOOD.replace("return x + x", "return x + x + 1e-5")
+    as_tuple = GOOD.replace("return x + x", "return (x + x,)")
+    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
+        futs = [pool.submit(PROBLEM, as_tuple), pool.submit(exact, off), pool.submit(exact, GOOD)]
+        tup, offby, good = (f.result(60) for f in futs)
+    assert tup.verdict == "incorrect" and "a drop-in replacement must return the same structure" in tup.reason
+    assert offby.verdict == "incorrect", offby
+    assert good.verdict == "correct", good
+    bad = [({"trials": 0}, "trials"), ({"rounds": 0}, "rounds"), ({"timeout_s": -1}, "timeout_s"),
+           ({"timeout_s": 1e300}, "timeout_s"), ({"memory_bytes": 2**60}, "memory_bytes")]  # fmt: skip
+    for kw, says in bad:
+        with pytest.raises(ValueError, match=f"PoolConfig.{says} must be"):
+            PoolConfig(**kw)
