@@ -92,6 +92,11 @@ def _eval(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote: {args.json}")
+    from steptune.kernels.evaluate import PROBLEM_ERROR
+
+    if res.reason.startswith(PROBLEM_ERROR):  # the problem file, not the kernel: fix it before judging any
+        print(f"steptune kernels eval: error: {problem.path or problem.name}: {res.reason}", file=sys.stderr)
+        return 2
     return 0 if res.verdict == "correct" else 1
 
 

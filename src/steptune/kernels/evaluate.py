@@ -112,6 +112,10 @@ class _FPMode:
         )
 
 
+PROBLEM_ERROR = "problem error (not the candidate's): "
+"""Starts the reason of a verdict the problem file caused (its import, get_inputs or reference failed)."""
+
+
 class _Verdict(Exception):
     def __init__(self, verdict: str, reason: str, **extra: Any) -> None:
         super().__init__(reason)
@@ -157,13 +161,22 @@ def _to(x: Any, device: str) -> Any:
 def _build(
     problem: dict[str, Any], candidate: str, workdir: Path, device: str, fp_mode: _FPMode
 ) -> tuple[Any, Any, Any, float, tuple[int, int]]:
-    prob = import_source(problem["source"], workdir / "problem.py", "steptune_problem")
     seed = int(problem.get("seed", 0))
-    torch.manual_seed(seed)
-    init = prob.get_init_inputs()
-    ref = prob.Model(*init).to(device).eval()
-    with torch.no_grad():  # warm the reference (lazy thread pools) before counting threads
-        _call(ref, [_to(x, device) for x in prob.get_inputs()], "the reference")
+    try:  # the problem's own failures are not the candidate's: they say so (the CLI makes them usage errors)
+        prob = import_source(problem["source"], workdir / "problem.py", "steptune_problem")
+        torch.manual_seed(seed)
+        init = prob.get_init_inputs()
+        ref = prob.Model(*init).to(device).eval()
+        with torch.no_grad():  # warm the reference (lazy thread pools) before counting threads
+            _call(ref, [_to(x, device) for x in prob.get_inputs()], "the reference")
+    except MemoryError:
+        raise
+    except _Verdict as v:
+        raise _Verdict(v.verdict, f"{PROBLEM_ERROR}{v.reason}") from v
+    except Exception as exc:
+        raise _Verdict(
+            "crashed", f"{PROBLEM_ERROR}building the reference raised {type(exc).__name__}: {exc}"
+        ) from exc
     # The thread baseline is taken before the candidate is imported: a library constructor that starts a
     # thread at load time must not hide in it.
     baseline = (threading.active_count(), len(os.listdir("/proc/self/task")))

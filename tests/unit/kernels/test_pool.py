@@ -251,3 +251,21 @@ def test_structure_and_exact_tolerances_are_judged_and_a_config_that_would_misju
     for kw, says in bad:
         with pytest.raises(ValueError, match=f"PoolConfig.{says} must be"):
             PoolConfig(**kw)
+
+
+def test_a_problem_whose_reference_fails_is_blamed_not_the_candidate(tmp_path, capsys):
+    from steptune.cli import main
+    from steptune.kernels.evaluate import PROBLEM_ERROR
+
+    broken = PROBLEM.source.replace("return x * 2.0", "return x @ torch.ones(3, 3)")
+    path = tmp_path / "broken.py"
+    path.write_text(broken)
+    cand = tmp_path / "good.py"
+    cand.write_text(GOOD)
+    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
+        res = pool.submit(Problem(name="broken", source=broken), GOOD).result(60)
+    assert res.verdict == "crashed" and res.reason.startswith(PROBLEM_ERROR), res.reason
+    assert (
+        main(["kernels", "eval", "--problem", str(path), "--candidate", str(cand)]) == 2
+    )  # was 1: "the kernel"
+    assert "problem error (not the candidate's)" in capsys.readouterr().err
