@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 import steptune
@@ -68,6 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     name = " ".join(str(x) for x in (args.command, getattr(args, "verb", None)) if x)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM unwinds like Ctrl-C: pools, process groups and servers leave through their context
+        # managers, so no worker or scratch folder outlives the command (exit status 143).
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:  # user mistakes carry a message that says what to change
@@ -85,3 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # child processes are cleaned up by their pools' context managers
         print(f"steptune {name}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -50,3 +50,31 @@ def test_replayed_llm_iteration_feeds_the_pool(tmp_path):
     assert rows[0]["submitted_at_s"] < rows[0]["stream_s"] - 0.5  # evaluated while the stream still ran
     assert rows[2]["speedup"] > 1.0 > rows[0]["speedup"]  # final C kernel fast, first draft slow
     assert (tmp_path / "recorded_trace.jsonl").stat().st_size > 0
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_eval_ends_its_running_candidate_at_once_and_leaves_nothing(sig):
+    # Found in review: Ctrl-C waited for the candidate's timeout (26.9 s of 30) and SIGTERM left the pool's
+    # scratch folder behind.
+    import glob
+    import signal
+    import tempfile
+    import time
+
+    pattern = str(Path(tempfile.gettempdir()) / "steptune-eval-*")
+    before = set(glob.glob(pattern))
+    cmd = [sys.executable, "-m", "steptune", "kernels", "eval", "--problem", "relu",
+           "--candidate", str(EXAMPLES / "adversarial/infinite_loop.py"), "--timeout", "60"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not [j for j in glob.glob(pattern + "/job-*") if j.rsplit("/job-", 1)[0] not in before]:
+        assert proc.poll() is None and time.monotonic() < deadline, "the candidate never started"
+        time.sleep(0.2)
+    time.sleep(1.0)  # the candidate is looping now
+    t0 = time.monotonic()
+    proc.send_signal(getattr(signal, sig))
+    proc.wait(timeout=30)
+    assert time.monotonic() - t0 < 10, "waited for the candidate instead of ending it"
+    assert proc.returncode == (130 if sig == "SIGINT" else 143), proc.stderr.read() if proc.stderr else ""
+    time.sleep(0.5)
+    assert set(glob.glob(pattern)) <= before, "a scratch folder was left behind"

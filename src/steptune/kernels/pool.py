@@ -231,9 +231,10 @@ class _Worker:
         return res
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        proc = self.proc  # the worker's thread may be replacing it
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 class EvalPool:
@@ -425,8 +426,9 @@ class EvalPool:
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers if w.proc is not None and w.proc.poll() is None]
 
-    def close(self) -> None:
-        """Stop the workers (after their current job), fail queued requests, remove the scratch folder."""
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the workers (after their current job; with ``wait=False``, as on Ctrl-C, at once), fail queued
+        requests, remove the scratch folder."""
         with self._cv:
             self._closed = True
             pending, self._queue = self._queue, []
@@ -434,8 +436,11 @@ class EvalPool:
         for r in pending:
             if not r.future.cancelled():
                 r.future.set_exception(RuntimeError("the pool was closed before this request ran"))
+        if not wait:  # interrupted: end the running candidates instead of waiting out their timeouts
+            for w in self.workers:
+                w.stop()
         for w in self.workers:
-            w.thread.join(timeout=self.config.timeout_s + 10)
+            w.thread.join(timeout=self.config.timeout_s + 10 if wait else 10)
             w.stop()
         starting = self._template  # still importing if no worker needed it: killed, not waited for (the
         if starting is not None:  # thread that starts it holds the lock until it has imported)
@@ -449,5 +454,6 @@ class EvalPool:
     def __enter__(self) -> EvalPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt | SystemExit)
+        self.close(wait=not interrupted)
