@@ -402,7 +402,7 @@ def launch(
         ) from None
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(
-            f"node_rank {node_rank} is not one of the job's hosts 0..{nnodes - 1} (nnodes={nnodes})"
+            f"node_rank must be in 0..{nnodes - 1} (one per host of nnodes={nnodes}), got {node_rank}"
         )
     if nnodes > 1 or master is not None:
         if master is None:

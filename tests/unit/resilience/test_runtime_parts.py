@@ -235,5 +235,5 @@ def test_a_scenario_csv_with_a_bom_reads_and_a_second_fail_stop_of_a_device_is_r
 def test_an_elastic_node_rank_outside_the_job_is_refused():
     from steptune.resilience.elastic import launch, toy_train
 
-    with pytest.raises(ValueError, match=r"node_rank 3 is not one of the job's hosts 0..0"):
+    with pytest.raises(ValueError, match=r"node_rank must be in 0\.\.0 \(one per host of nnodes=1\), got 3"):
         launch(toy_train, 2, 3, node_rank=3)
