@@ -7,6 +7,7 @@ docs/comm.md) until ``steptune comm calibrate`` replaces them with figures from 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -110,7 +111,9 @@ def device_token(name: str) -> str:
     return m.group(1) if m else name
 
 
+@functools.cache
 def _bandwidth_of(device_name: str) -> float | None:
+    """The HBM bandwidth of the cluster preset whose device is ``device_name`` (presets read once)."""
     from steptune.core.specs import cluster_preset, list_cluster_presets
 
     for preset in list_cluster_presets():
@@ -120,14 +123,7 @@ def _bandwidth_of(device_name: str) -> float | None:
     return None
 
 
-_CALIBRATABLE = (
-    "copy_out_bytes_per_s",
-    "chunk_cat_elems_per_s",
-    "pack_elems_per_s",
-    "cast_elems_per_s",
-    "accumulate_elems_per_s",
-    "hbm_contention",
-)
+_CALIBRATABLE = (*_RATES, "hbm_contention")
 
 
 def calibrated(path: str | Path, base: CommConstants | None = None) -> CommConstants:
