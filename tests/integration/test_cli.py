@@ -80,9 +80,14 @@ def test_resilience_simulate_help_names_every_policy_and_scenario_kind(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--inject", "slow:rank=1,factor=0.5,at=3"], "factor is a slowdown, >= 1"),
+        (
+            ["--inject", "slow:rank=1,factor=0.5,at=3"],
+            "(factor=0.5): a slowdown factor is a finite number >= 1",
+        ),
+        (["--inject", "slow:rank=1,factor=nan,at=3"], "(factor=nan): a slowdown factor"),
+        (["--inject", "slow:rank=1,factor=2,at=-1"], "(at=-1): the first slow step"),
         (["--inject", "slow:rank=x,factor=2,at=3"], "whole numbers"),
-        (["--inject", "slow:rank=1,factor=2,at=3,for=0"], "for >= 1"),
+        (["--inject", "slow:rank=1,factor=2,at=3,for=0"], "(for=0): steps, a whole number >= 1"),
         (["--inject", "slow:rank=9,factor=2,at=3"], "outside 0..3"),
         (["--inject", "slow:rank=1"], "expected slow:rank=R,factor=F,at=S"),
         (["--layout", "dp=2,pp=2", "--ranks", "3"], "needs dp*pp*tp = 4 ranks"),

@@ -67,6 +67,31 @@ _VALIDATE = 1.25
 slowdowns over 25%."""
 
 
+def fault_range_error(
+    rank: Any,
+    factor: Any,
+    start: Any,
+    duration: Any,
+    names: Sequence[str] = ("rank", "factor", "start", "duration"),
+) -> str | None:
+    """What is wrong with a slow fault's fields, as ``name=value): why``, or None. One rule for
+    ``SlowFault`` and the CLI's ``--inject`` (which passes its own key names)."""
+
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    n_rank, n_factor, n_start, n_duration = names
+    if not whole(rank) or rank < 0:
+        return f"{n_rank}={rank!r}): a rank is a whole number >= 0"
+    if not (isinstance(factor, int | float) and not isinstance(factor, bool) and 1 <= factor < math.inf):
+        return f"{n_factor}={factor!r}): a slowdown factor is a finite number >= 1 (1.6: 1.6x slower)"
+    if not whole(start) or start < 0:
+        return f"{n_start}={start!r}): the first slow step, a whole number >= 0"
+    if duration is not None and (not whole(duration) or duration < 1):
+        return f"{n_duration}={duration!r}): steps, a whole number >= 1 (None: forever)"
+    return None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SlowFault:
     """Rank ``rank`` runs ``factor`` x slower from step ``start`` for ``duration`` steps (None: forever)."""
@@ -77,23 +102,9 @@ class SlowFault:
     duration: int | None = None
 
     def __post_init__(self) -> None:
-        def whole(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        what = type(self).__name__
-        if not whole(self.rank) or self.rank < 0:
-            raise ValueError(f"{what}(rank={self.rank!r}): a rank is a whole number >= 0")
-        if not (isinstance(self.factor, int | float) and 1 <= self.factor < math.inf):
-            raise ValueError(
-                f"{what}(factor={self.factor!r}): a slowdown factor is a finite number >= 1 "
-                "(1.6: 1.6x slower)"
-            )
-        if not whole(self.start) or self.start < 0:
-            raise ValueError(f"{what}(start={self.start!r}): the first slow step, a whole number >= 0")
-        if self.duration is not None and (not whole(self.duration) or self.duration < 1):
-            raise ValueError(
-                f"{what}(duration={self.duration!r}): steps, a whole number >= 1 (None: forever)"
-            )
+        problem = fault_range_error(self.rank, self.factor, self.start, self.duration)
+        if problem:
+            raise ValueError(f"{type(self).__name__}({problem}")
 
     def factor_at(self, rank: int, step: int) -> float:
         if rank != self.rank or step < self.start:
