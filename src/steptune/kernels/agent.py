@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 __all__ = [
+    "PROBLEM_ERROR",
     "Candidate",
     "Delta",
     "EvalOutcome",
@@ -22,6 +23,10 @@ __all__ = [
     "LLMService",
     "Prompt",
 ]
+
+PROBLEM_ERROR = "problem error (not the candidate's): "
+"""Starts the reason of a verdict the problem file caused (its import, get_inputs or reference failed, or the
+reference is not deterministic): no candidate can pass, so the search stops and the CLI says to fix it."""
 
 
 @dataclass(slots=True)

@@ -238,6 +238,11 @@ def _optimize(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote: {args.json}")
+    from steptune.kernels.agent import PROBLEM_ERROR
+
+    if rep.stop_reason.startswith(PROBLEM_ERROR):  # the problem file, not the kernels: fix it and rerun
+        print(f"steptune kernels optimize: error: {rep.stop_reason}", file=sys.stderr)
+        return 2
     if rep.stop_reason.startswith("llm error"):
         print(f"steptune kernels optimize: the LLM server failed, so the search stopped early "
               f"({rep.stop_reason}); what it found is written above", file=sys.stderr)  # fmt: skip

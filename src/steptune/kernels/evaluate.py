@@ -12,7 +12,9 @@ unchanged (no process-wide flush-to-zero from -ffast-math), output count, shape,
 allclose at the problem's tolerance, inputs unmutated (bitwise), guard bytes intact (out-of-bounds writes),
 output storage not an earlier output of either side (stale or stolen results), no threads left, and the
 reference's op sequence not replayed by the candidate (a subsequence test over aten ops, plus the
-problem's FORBIDDEN_OPS).
+problem's FORBIDDEN_OPS). When an output differs, the reference is run once more on the same inputs: if it
+disagrees with itself beyond the tolerance (randomness in its forward, nondeterministic atomics), the verdict
+is a problem error, not the candidate's.
 
 Profiling: one validation trial first (profiling a wrong kernel is pointless), then warm-up and `rounds`
 rounds in which reference and candidate are each timed over enough calls to last `round_s`, their order
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from steptune.kernels.agent import PROBLEM_ERROR
 from steptune.kernels.problems import import_source, tolerance
 
 __all__ = ["run_job"]
@@ -110,10 +113,6 @@ class _FPMode:
             "rounding), which changes every other kernel's results: build without -ffast-math/-Ofast "
             "(use -fno-math-errno, -ffinite-math-only, -fassociative-math ... instead)",
         )
-
-
-PROBLEM_ERROR = "problem error (not the candidate's): "
-"""Starts the reason of a verdict the problem file caused (its import, get_inputs or reference failed)."""
 
 
 class _Verdict(Exception):
@@ -330,6 +329,7 @@ def _validate(
                     d = float(diff.max()) if diff.numel() else 0.0
                     max_diff = max(max_diff, d)
                     if not torch.allclose(c, r, atol=atol, rtol=rtol, equal_nan=True):
+                        _check_reference_stable(ref, pristine, k, r, atol, rtol)
                         raise _Verdict(
                             "incorrect",
                             f"output {k} differs from the reference in trial {trial}: max abs diff {d:.3g} "
@@ -337,6 +337,7 @@ def _validate(
                             max_abs_diff=d,
                         )
                 elif not torch.equal(c, r):
+                    _check_reference_stable(ref, pristine, k, r, 0.0, 0.0)
                     raise _Verdict("incorrect", f"output {k} differs from the reference in trial {trial}")
             for outs, ptrs in ((outs_r, ref_ptrs), (outs_c, cand_ptrs)):
                 for t in outs:
@@ -344,6 +345,34 @@ def _validate(
                         outs_alive.append(t)
                         ptrs.add(t.untyped_storage().data_ptr())
     return {"max_abs_diff": max_diff, "trials": trials, "ref_ops": (ref_ops or [])[:20]}
+
+
+def _check_reference_stable(
+    ref: Any, pristine: list[Any], k: int, first: torch.Tensor, atol: float, rtol: float
+) -> None:
+    """Called when the candidate's output ``k`` differs: reruns the reference on the same inputs and raises
+    a problem error if it disagrees with its own first run (then every candidate would be judged wrong)."""
+    again = _outputs(
+        _call(ref, [x.clone() if isinstance(x, torch.Tensor) else x for x in pristine], "the reference")
+    )
+    second = again[k] if k < len(again) else None
+    if isinstance(second, torch.Tensor) and second.shape == first.shape and second.dtype == first.dtype:
+        if first.is_floating_point() or first.is_complex():
+            same = torch.allclose(second, first, atol=atol, rtol=rtol, equal_nan=True)
+        else:
+            same = torch.equal(second, first)
+        if same:
+            return
+        d = float((second.double() - first.double()).abs().nan_to_num(0.0).max()) if first.numel() else 0.0
+        detail = f"max abs diff {d:.3g} (atol {atol:g}, rtol {rtol:g})"
+    else:
+        detail = "a different shape, dtype or structure"
+    raise _Verdict(
+        "incorrect",
+        f"{PROBLEM_ERROR}the reference is not deterministic: run twice on the same inputs, its output {k} "
+        f"differs by {detail}, so no candidate can match it. Seed or remove the randomness in Model.forward "
+        "(dropout in training mode, torch.rand) or set ATOL/RTOL to cover it",
+    )
 
 
 def _time_cpu(fn: Callable[[], Any], n: int) -> float:

@@ -34,7 +34,15 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from steptune.kernels.agent import Candidate, EvalService, Feedback, Generation, LLMService, Prompt
+from steptune.kernels.agent import (
+    PROBLEM_ERROR,
+    Candidate,
+    EvalService,
+    Feedback,
+    Generation,
+    LLMService,
+    Prompt,
+)
 from steptune.kernels.allocator import AllocatorConfig, ElasticAllocator
 from steptune.kernels.clock import now
 from steptune.kernels.extract import code_blocks, fork_code, normalized_hash
@@ -138,6 +146,8 @@ class Search:
         self.best_timeline: list[tuple[float, float]] = []
         self.roles_timeline: list[tuple[float, list[str]]] = []
         self.done = asyncio.Event()
+        self.problem_error: str | None = None
+        """Set by the first verdict the problem file caused; it ends the search (its stop_reason)."""
         self.cur: _Iteration | None = None
         self.eval_tasks: set[asyncio.Task[Any]] = set()
         self.awaiting_profile: dict[str, Candidate] = {}
@@ -186,6 +196,10 @@ class Search:
         if v.verdict != "correct":
             fb = Feedback(cand, v.verdict, None, v.reason, self._t(), profiled=False)
             self.feedback.append(fb)
+            if v.reason.startswith(PROBLEM_ERROR) and self.problem_error is None:
+                # the problem file is broken (no candidate can pass): stop instead of spending the budget
+                self.problem_error = v.reason
+                self.done.set()
             return fb
         self.alloc.observe_arrival("profile", now())
         self.awaiting_profile[cand.key] = cand
@@ -419,7 +433,9 @@ class Search:
         if (stop_reason == "iterations" or stop_reason.startswith("llm error")) and self.eval_tasks:
             # every proposed candidate still gets its verdict, within what is left of the wall budget
             await asyncio.wait(set(self.eval_tasks), timeout=self.budget.remaining_s(now()))
-        if stop_reason.startswith("llm error"):
+        if self.problem_error is not None:
+            stop_reason = self.problem_error
+        elif stop_reason.startswith("llm error"):
             pass  # the reason the search ended, whatever else holds
         elif self.e2e is not None and self.cfg.stop_at_target:
             stop_reason = "target"

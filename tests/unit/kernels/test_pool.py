@@ -269,3 +269,30 @@ def test_a_problem_whose_reference_fails_is_blamed_not_the_candidate(tmp_path, c
         main(["kernels", "eval", "--problem", str(path), "--candidate", str(cand)]) == 2
     )  # was 1: "the kernel"
     assert "problem error (not the candidate's)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("draw", "answer"),
+    [
+        ("x * torch.rand(1).item()", "x + x"),
+        ("torch.randint(0, 1000, x.shape)", "torch.zeros_like(x).long()"),
+    ],
+)
+def test_a_reference_that_disagrees_with_itself_is_a_problem_error(tmp_path, capsys, draw, answer):
+    # Found in review: randomness in the reference's forward made every candidate `incorrect`, no hint why.
+    from steptune.cli import main
+    from steptune.kernels.evaluate import PROBLEM_ERROR
+
+    source = PROBLEM.source.replace("return x * 2.0", f"return {draw}")
+    path = tmp_path / "random_ref.py"
+    path.write_text(source)
+    cand = tmp_path / "good.py"
+    cand.write_text(GOOD.replace("x + x", answer))
+    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
+        res = pool.submit(Problem(name="random_ref", source=source), cand.read_text()).result(60)
+        wrong = pool.submit(PROBLEM, WRONG).result(60)  # a deterministic reference still blames the kernel
+    assert res.verdict == "incorrect" and res.reason.startswith(PROBLEM_ERROR), res.reason
+    assert "the reference is not deterministic" in res.reason and "output 0" in res.reason
+    assert wrong.verdict == "incorrect" and not wrong.reason.startswith(PROBLEM_ERROR), wrong.reason
+    assert main(["kernels", "eval", "--problem", str(path), "--candidate", str(cand)]) == 2
+    assert "not deterministic" in capsys.readouterr().err

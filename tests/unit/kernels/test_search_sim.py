@@ -159,3 +159,32 @@ def test_a_censored_e2e_ratio_is_printed_as_a_bound(base, spec, both, says):
     report = {"lane": "sim", "seeds": 5, "policies": {}, "ratios": {"sequential": ratio}}
     notes = " ".join(lane_table(report).notes)
     assert says in notes, notes
+
+
+def test_a_problem_error_ends_the_search_with_its_reason():
+    # A broken problem file (e.g. a reference that disagrees with itself) fails every candidate: the search
+    # stops at the first such verdict instead of spending the whole budget on kernels that cannot pass.
+    from steptune.kernels.agent import PROBLEM_ERROR, EvalOutcome
+
+    reason = PROBLEM_ERROR + "the reference is not deterministic"
+
+    class BrokenProblem(SimEval):
+        def submit(self, candidate, kind, priority):
+            inner = super().submit(candidate, kind, priority)
+            out = asyncio.get_running_loop().create_future()
+
+            def relay(f):
+                if not out.done() and not f.cancelled():
+                    out.set_result(EvalOutcome("incorrect", None, reason, f.result().service_s))
+
+            inner.add_done_callback(relay)
+            return out
+
+    def search(ev):
+        cfg = SearchConfig(policy="specgen", budget=Budget(wall_s=3600))
+        return run(Search(SimLLM(random.Random(0), SimTier(0)), ev, cfg).run(), virtual=True)
+
+    rep = search(BrokenProblem(2, random.Random(0)))
+    assert rep.stop_reason == reason and rep.validated >= 1 and rep.elapsed_s < 3600 / 2
+    healthy = search(SimEval(2, random.Random(0)))
+    assert healthy.stop_reason != reason and healthy.elapsed_s == pytest.approx(3600, abs=1)
