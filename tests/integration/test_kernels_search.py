@@ -2,6 +2,7 @@
 pool) gives SpecGen more profiling feedback per minute than Sequential and its early stop aborts the main
 stream on the server; `steptune kernels optimize` finds the fastest embedded correct candidate."""
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -73,8 +74,10 @@ def test_optimize_finds_the_fastest_embedded_candidate(tmp_path, capsys):
     assert data["candidates"][0]["speedup"] > 1.0
 
 
-def _flaky_server(code: str):  # type: ignore[no-untyped-def]
-    """An OpenAI-compatible server: its first chat answer carries ``code``, later ones are HTTP 500."""
+def _flaky_server(code: str, *, fail_after: int = 1, tokenize: bool = True, seen: list | None = None):  # type: ignore[no-untyped-def]
+    """An OpenAI-compatible server: its first ``fail_after`` chat answers carry ``code``, later ones are HTTP
+    500; without ``tokenize`` it answers 404 to ``/tokenize`` (a server that is not vLLM). ``seen`` collects
+    the paths posted."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -99,12 +102,16 @@ def _flaky_server(code: str):  # type: ignore[no-untyped-def]
 
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if seen is not None:
+                seen.append(self.path)
+            if self.path == "/tokenize" and not tokenize:
+                return self._send(404, json.dumps({"detail": "Not Found"}))
             if self.path == "/tokenize":
                 return self._send(
                     200, json.dumps({"tokens": [1, 2], "token_strs": ["<|user|>", "hi"], "count": 2})
                 )
             chats.append(self.path)
-            if len(chats) > 1:
+            if len(chats) > fail_after:
                 return self._send(500, json.dumps({"error": {"message": "engine dead"}}))
             chunks = [{"choices": [{"index": 0, "delta": {"content": "```python\n" + code + "```\n"}}]},
                       {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]  # fmt: skip
@@ -132,3 +139,38 @@ def test_optimize_keeps_what_it_found_when_the_llm_server_fails(tmp_path, capsys
     assert normalized_hash(out.read_text()) == normalized_hash(fast)
     report = json.loads(js.read_text())["report"]
     assert report["stop_reason"].startswith("llm error") and report["best_speedup"] > 0
+
+
+@pytest.mark.parametrize("policy", ["specgen", "sequential"])
+def test_optimize_runs_on_a_server_without_tokenize(tmp_path, capsys, policy):
+    # Found in review: every policy tokenized each prompt through vLLM's /tokenize, so on any other
+    # OpenAI-compatible server the first iteration ended the run ("llm error: HTTP 404").
+    fast = (EXAMPLES / "softmax" / "c_fast.py").read_text()
+    seen: list[str] = []
+    server = _flaky_server(fast, fail_after=10, tokenize=False, seen=seen)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        out, js = tmp_path / "best.py", tmp_path / "opt.json"
+        args = ["--iterations", "2", "--policy", policy, "--out", str(out), "--json", str(js)]
+        warns = policy == "specgen"
+        with (
+            pytest.warns(RuntimeWarning, match="no vLLM-style /tokenize")
+            if warns
+            else contextlib.nullcontext()
+        ):
+            code = main(
+                ["kernels", "optimize", "--problem", "softmax", "--llm-url", url, "--model", "m", *args]
+            )
+    finally:
+        server.shutdown()
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(js.read_text())["report"]
+    assert report["stop_reason"] == "iterations" and report["iterations"] == 2 and report["best_speedup"] > 0
+    assert report["tokens"]["fork"] == report["tokens"]["probe"] == 0
+    assert normalized_hash(out.read_text()) == normalized_hash(fast)
+    if policy == "specgen":  # tried once, said once, then no more /tokenize calls
+        assert seen.count("/tokenize") == 1 and "no vLLM-style /tokenize" in report["notes"][0]
+        assert "note        the server has no vLLM-style /tokenize" in captured.out
+    else:  # a policy that never forks does not need it
+        assert "/tokenize" not in seen and report["notes"] == []

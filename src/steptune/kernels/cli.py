@@ -197,6 +197,8 @@ def _optimize(args: argparse.Namespace) -> int:
     print(f"problem     {problem.name} ({problem.description})")
     print(f"policy      {rep.policy}: {rep.iterations} iterations, {rep.elapsed_s:.1f} s")
     print(f"stopped by  {rep.stop_reason}")
+    for note in rep.notes:
+        print(f"note        {note}")
     parts = ", ".join(f"{k} {v}" for k, v in rep.tokens.items())
     print(f"tokens      {sum(rep.tokens.values())} generated ({parts})")
     n_eval = len(res.feedback)

@@ -37,8 +37,8 @@ async def _run(problem: Problem, base_url: str, model: str, config: SearchConfig
     from steptune.kernels.real import RealEval, RealLLM
 
     async with LLMClient(base_url, model, api_key=api_key) as client:
-        search = Search(RealLLM(client, problem), RealEval(pool, problem), config, problem=problem.name,
-                        progress=progress)  # fmt: skip
+        llm = RealLLM(client, problem, forks=config.policy in ("specgen", "early_exit"))
+        search = Search(llm, RealEval(pool, problem), config, problem=problem.name, progress=progress)
         report = await search.run()
         return report, list(search.feedback)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import warnings
 from typing import Any
 
 from steptune.kernels.agent import Candidate, Delta, EvalOutcome, Prompt
@@ -81,8 +82,15 @@ class _Gen:
 class RealLLM:
     """`agent.LLMService` over an OpenAI-compatible server (use inside `async with client`)."""
 
-    def __init__(self, client: Any, problem: Problem, *, fork_max_tokens: int = 4096) -> None:
+    def __init__(
+        self, client: Any, problem: Problem, *, fork_max_tokens: int = 4096, forks: bool = True
+    ) -> None:
+        """`forks=False` for policies that never fork or probe (sequential, parallel): then the prompt is not
+        tokenized, and any OpenAI-compatible server will do."""
         self.client, self.problem, self.fork_max_tokens = client, problem, fork_max_tokens
+        self.forks = forks
+        self.fork_unavailable: str | None = None
+        """Why this server cannot be forked (set on the first `reason`); the search then makes no forks."""
         self._rendered: dict[str, str] = {}
 
     @property
@@ -96,13 +104,40 @@ class RealLLM:
 
     async def reason(self, prompt: Prompt, stream_id: str) -> _Gen:
         messages = render_messages(self.problem, prompt)
-        toks = await self.client.tokenize(messages=messages, return_token_strs=True)
-        self._rendered[stream_id] = "".join(toks.token_strs or [])
+        if self.forks and self.fork_unavailable is None:
+            await self._render(messages, stream_id)
         params: dict[str, Any] = {"metadata": {"problem_id": self.problem.name}}
         return _Gen(await self.client.stream_chat(messages, **params))
 
+    async def _render(self, messages: list[dict[str, str]], stream_id: str) -> None:
+        """The prompt as the server's chat template renders it (vLLM's `/tokenize` with token strings): a
+        fork continues it with the reasoning so far. Without it, forks are off for the run, said once."""
+        from steptune.kernels.llm._stream import LLMHTTPError
+
+        try:
+            toks = await self.client.tokenize(messages=messages, return_token_strs=True)
+        except LLMHTTPError as exc:
+            if exc.status_code not in (404, 405, 501):
+                raise
+            why = f"the server has no vLLM-style /tokenize endpoint (HTTP {exc.status_code})"
+        else:
+            if toks.token_strs:
+                self._rendered[stream_id] = "".join(toks.token_strs)
+                return
+            why = "the server's /tokenize returned no token_strs"
+        self.fork_unavailable = (
+            f"{why}: forks and probes continue the prompt as the server's chat template renders it, so this "
+            "run makes none (drafts in the reasoning and final answers are still evaluated). Serve the model "
+            "with vLLM for forks, or use --policy sequential / parallel"
+        )
+        warnings.warn(self.fork_unavailable, RuntimeWarning, stacklevel=2)
+
     async def fork(self, prompt: Prompt, stream_id: str, reasoning_prefix: str, prefix_tokens: int) -> _Gen:
-        prefix = self._rendered.get(stream_id, "") + reasoning_prefix
+        if self.fork_unavailable is not None or stream_id not in self._rendered:
+            raise RuntimeError(
+                self.fork_unavailable or f"no rendered prompt for {stream_id}: no fork from it"
+            )
+        prefix = self._rendered[stream_id] + reasoning_prefix
         return _Gen(await self.client.fork(prefix, max_tokens=self.fork_max_tokens))
 
 

@@ -113,6 +113,8 @@ class SearchReport:
     best_timeline: list[tuple[float, float]]
     roles_timeline: list[tuple[float, list[str]]]
     stop_reason: str
+    notes: list[str] = field(default_factory=list)
+    """What changed how the run went (e.g. a server that cannot be forked), for the user to read."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -162,6 +164,10 @@ class Search:
         self.budget.add_tokens(n)
         if self.budget.exhausted(now()):
             self.done.set()
+
+    def _can_fork(self) -> bool:
+        """False once the LLM service said it cannot fork (RealLLM on a server without /tokenize)."""
+        return getattr(self.llm, "fork_unavailable", None) is None
 
     def _candidate(self, code: str, origin: str, it: int, progress: float) -> Candidate:
         return Candidate(code, origin, it, self._t(), normalized_hash(code), progress)
@@ -310,7 +316,7 @@ class Search:
                 it.stop.set()
 
         def on_delta(g: Generation) -> None:
-            if g.tokens >= next_probe[0] and not exit_code:
+            if g.tokens >= next_probe[0] and not exit_code and self._can_fork():
                 next_probe[0] += self.cfg.probe_every_tokens
                 idx = len(probes)
                 t = asyncio.get_running_loop().create_task(
@@ -352,7 +358,7 @@ class Search:
                     self.evaluate(
                         self._candidate(trig.code, "draft", it.index, trig.tokens / max(1, g.tokens))
                     )
-                elif not trig.suppressed and self.cfg.forks and trig.kind != "draft":
+                elif not trig.suppressed and self.cfg.forks and trig.kind != "draft" and self._can_fork():
                     prefix = g.reasoning[: trig.chars]
                     t = asyncio.get_running_loop().create_task(
                         self._fork_task(prompt, sid, prefix, trig.tokens, it, "fork")
@@ -467,4 +473,5 @@ class Search:
             best_timeline=self.best_timeline,
             roles_timeline=self.roles_timeline,
             stop_reason=stop_reason,
+            notes=[n for n in (getattr(self.llm, "fork_unavailable", None),) if n],
         )
