@@ -15,10 +15,50 @@ from steptune.core.specs import LayerKind, LayerSpec, ModelSpec
 _FAMILIES = ("dense", "moe", "hybrid", "vlm", "dit")
 
 
+_FRACTIONS = frozenset({"image_token_fraction"})
+"""Config numbers that are fractions in [0, 1]; every other number a builder reads is a count or a size."""
+
+
 def _req(cfg: dict[str, Any], key: str) -> Any:
     if key not in cfg:
         raise ValueError(f"model config is missing {key!r} (needed by family {cfg.get('family')!r})")
-    return cfg[key]
+    return _checked(key, cfg[key])
+
+
+def _opt(cfg: dict[str, Any], key: str, default: int) -> int:
+    """An optional count (``n_shared_experts``, ``first_k_dense_replace``): a whole number >= 0."""
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"model config {key}={v!r}: a whole number >= 0")
+    return v
+
+
+def _checked(key: str, v: Any) -> Any:
+    if isinstance(v, dict | str | list):
+        return v
+    if key in _FRACTIONS:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+            raise ValueError(f"model config {key}={v!r}: a fraction in [0, 1]")
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"model config {key}={v!r}: a whole number >= 1 (a count or a size)")
+    return v
+
+
+def _head_dim(cfg: dict[str, Any], h: int, nh: int) -> tuple[int, int]:
+    """(key-value heads, head dim), checked: grouped-query attention needs the heads to split evenly."""
+    nkv = _checked("num_key_value_heads", cfg.get("num_key_value_heads", nh))
+    if nh % nkv:
+        raise ValueError(
+            f"model config: num_attention_heads {nh} is not a multiple of num_key_value_heads {nkv}"
+        )
+    if "head_dim" in cfg:
+        return nkv, _checked("head_dim", cfg["head_dim"])
+    if h % nh:
+        raise ValueError(
+            f"model config: hidden_size {h} is not a multiple of num_attention_heads {nh}; give head_dim"
+        )
+    return nkv, h // nh
 
 
 def _attention_parts(
@@ -106,8 +146,7 @@ def _head(h: int, vocab: int, b: int) -> LayerSpec:
 def _dense(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
     h, vocab = _req(cfg, "hidden_size"), _req(cfg, "vocab_size")
     nh = _req(cfg, "num_attention_heads")
-    nkv = cfg.get("num_key_value_heads", nh)
-    hd = cfg.get("head_dim", h // nh)
+    nkv, hd = _head_dim(cfg, h, nh)
     gated = cfg.get("mlp_gated", True)
     ap, alin, aquad, aact = _attention_parts(h, nh, nkv, hd, causal=True, b=b)
     mp, mlin, mact = _mlp_parts(h, _req(cfg, "intermediate_size"), gated=gated, b=b)
@@ -135,12 +174,17 @@ def _moe(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
         ap, alin, aquad, aact = _mla_parts(cfg, h, b=b)
     else:
         nh = _req(cfg, "num_attention_heads")
-        ap, alin, aquad, aact = _attention_parts(
-            h, nh, cfg.get("num_key_value_heads", nh), cfg.get("head_dim", h // nh), causal=True, b=b
-        )
-    num_dense = cfg.get("first_k_dense_replace", 0)
+        ap, alin, aquad, aact = _attention_parts(h, nh, *_head_dim(cfg, h, nh), causal=True, b=b)
+    num_dense = _opt(cfg, "first_k_dense_replace", 0)
     num_experts, top_k = _req(cfg, "n_routed_experts"), _req(cfg, "num_experts_per_tok")
-    num_shared = cfg.get("n_shared_experts", 0)
+    if top_k > num_experts:
+        raise ValueError(f"model config: num_experts_per_tok {top_k} > n_routed_experts {num_experts}")
+    if num_dense and "intermediate_size" not in cfg:
+        raise ValueError(
+            f"model config: first_k_dense_replace={num_dense} makes dense layers, which need "
+            "intermediate_size"
+        )
+    num_shared = _opt(cfg, "n_shared_experts", 0)
     mi = _req(cfg, "moe_intermediate_size")
     expert = 3 * h * mi
     router = h * num_experts
@@ -148,7 +192,7 @@ def _moe(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
     moe_active = (top_k + num_shared) * expert + router
     moe_act = b * (2 * h + (top_k + num_shared) * (h + 3 * mi)) + 4 * num_experts
     a2a = 2 * top_k * h * b  # dispatch and combine, one copy of h per routed expert each way
-    dp, dlin, dact = _mlp_parts(h, cfg.get("intermediate_size", 0), gated=True, b=b)
+    dp, dlin, dact = _mlp_parts(h, _req(cfg, "intermediate_size") if num_dense else 0, gated=True, b=b)
     layers = [_embedding(h, vocab, b)]
     for i in range(_req(cfg, "num_hidden_layers")):
         if i < num_dense:
@@ -210,9 +254,7 @@ def _hybrid(cfg: dict[str, Any], b: int) -> list[LayerSpec]:
     h, vocab = _req(cfg, "hidden_size"), _req(cfg, "vocab_size")
     pattern = _req(cfg, "hybrid_override_pattern")
     nh = _req(cfg, "num_attention_heads")
-    ap, alin, aquad, aact = _attention_parts(
-        h, nh, cfg.get("num_key_value_heads", nh), cfg.get("head_dim", h // nh), causal=True, b=b
-    )
+    ap, alin, aquad, aact = _attention_parts(h, nh, *_head_dim(cfg, h, nh), causal=True, b=b)
     mp, mlin, mact = _mlp_parts(h, _req(cfg, "intermediate_size"), gated=cfg.get("mlp_gated", False), b=b)
     if len(pattern) != _req(cfg, "num_hidden_layers"):
         raise ValueError(

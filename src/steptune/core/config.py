@@ -24,7 +24,15 @@ T = TypeVar("T")
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (the string literal right after each field)."""
+    """The attribute docstrings of a dataclass (the string literal right after each field), its base
+    classes' included (a subclass's own docstring wins)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # object has none; the most derived class is read last
+        docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
@@ -51,8 +59,13 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
     for f in dataclasses.fields(cls):
         typ = hints[f.name]
         flag = "--" + f.name.replace("_", "-")
-        has_default = f.default is not dataclasses.MISSING
-        default = f.default if has_default else None
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
         help_text = docs.get(f.name, "")
         if has_default:
             help_text += f" (default: {default})"

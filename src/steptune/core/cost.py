@@ -21,6 +21,7 @@ parallel), then the intra-domain step again where the collective needs it.
 from __future__ import annotations
 
 import math
+import numbers
 from enum import StrEnum
 
 from steptune.core.specs import ClusterSpec, DeviceSpec, LinkSpec
@@ -56,6 +57,7 @@ def compute_time(flops: float, device: DeviceSpec, *, efficiency: float = 0.5) -
     """Seconds to run ``flops`` on ``device`` at ``efficiency`` of its dense bf16 peak."""
     if not 0.0 < efficiency <= 1.0:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+    _amount("flops", flops)
     return flops / (device.peak_flops * efficiency)
 
 
@@ -63,18 +65,26 @@ def memory_time(nbytes: float, device: DeviceSpec, *, efficiency: float = 0.8) -
     """Seconds to stream ``nbytes`` through HBM (a copy reads and writes: pass 2x its size)."""
     if not 0.0 < efficiency <= 1.0:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+    _amount("nbytes", nbytes)
     return nbytes / (device.memory_bandwidth * efficiency)
 
 
 def p2p_time(nbytes: float, link: LinkSpec) -> float:
+    _amount("nbytes", nbytes)
     return link.latency + nbytes / link.bandwidth
 
 
 def _check(world: int, nbytes: float) -> None:
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    _amount("nbytes", nbytes)
+
+
+def _amount(name: str, v: float) -> None:
+    """A size or a FLOP count: finite and >= 0 (NaN would pass through every formula); arrays pass
+    unchecked."""
+    if isinstance(v, numbers.Real) and not 0 <= v < math.inf:
+        raise ValueError(f"{name} must be finite and >= 0, got {v}")
 
 
 def _log2_exact(world: int, algo: Algorithm) -> int:

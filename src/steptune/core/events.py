@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from typing import Any
@@ -89,22 +90,24 @@ class Environment:
     """The virtual clock and the event queue."""
 
     def __init__(self, *, start: float = 0.0) -> None:
+        if not math.isfinite(start):
+            raise ValueError(f"Environment(start={start}): the clock starts at a finite time")
         self.now = start
         self._heap: list[tuple[float, int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._live: set[Process] = set()
 
     def _schedule(self, delay: float, priority: int, fn: Callable[[], None]) -> None:
-        if delay < 0:
-            raise SimulationError(f"negative delay {delay}")
+        if not 0 <= delay < math.inf:  # NaN too: the clock would become NaN, then run backwards
+            raise SimulationError(f"delay {delay}: must be finite and >= 0")
         heapq.heappush(self._heap, (self.now + delay, priority, next(self._seq), fn))
 
     def event(self) -> Event:
         return Event(self)
 
     def timeout(self, delay: float, value: Any = None) -> Event:
-        if delay < 0:
-            raise ValueError(f"timeout delay must be >= 0, got {delay}")
+        if not 0 <= delay < math.inf:
+            raise ValueError(f"timeout delay must be finite and >= 0, got {delay}")
         return Event(self).succeed(value, delay=delay)
 
     def process(self, gen: ProcessGen, *, name: str = "process") -> Process:
@@ -128,8 +131,8 @@ class Environment:
         return done
 
     def call_at(self, time: float, fn: Callable[[], None], *, priority: int = 0) -> None:
-        if time < self.now:
-            raise ValueError(f"call_at({time}) is in the past (now={self.now})")
+        if not self.now <= time < math.inf:
+            raise ValueError(f"call_at({time}): must be finite and not in the past (now={self.now})")
         self._schedule(time - self.now, priority, fn)
 
     def run(self, until: float | None = None) -> float:
@@ -137,6 +140,8 @@ class Environment:
 
         Raises ``SimulationError`` if processes are still waiting when nothing else can happen.
         """
+        if until is not None and not self.now <= until:  # NaN too
+            raise ValueError(f"run(until={until}): the clock is at {self.now} and does not run backwards")
         while self._heap:
             t, _, _, fn = self._heap[0]
             if until is not None and t > until:

@@ -22,6 +22,8 @@ def _pyplot() -> Any:
 
 def _save(fig: Any, path: str | Path) -> Path:
     path = Path(path)
+    if not path.suffix:  # matplotlib would add .png itself, and the path returned would not exist
+        path = path.with_name(path.name + ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -32,8 +34,13 @@ def _save(fig: Any, path: str | Path) -> Path:
 def gantt(spans: Sequence[Span], path: str | Path, *, title: str = "", time_unit: str = "ms") -> Path:
     """One row per (rank, stream); a bar per span, coloured by its category. ``time_unit`` is s, ms or us
     for spans in seconds, or "units" for spans in abstract time units (shown as they are)."""
+    scales = {"s": 1.0, "ms": 1e3, "us": 1e6, "units": 1.0}
+    if time_unit not in scales:
+        raise ValueError(f"gantt(time_unit={time_unit!r}): choose one of {', '.join(scales)}")
+    if not spans:
+        raise ValueError(f"gantt({str(path)!r}): no spans to draw")
     plt = _pyplot()
-    scale = {"s": 1.0, "ms": 1e3, "us": 1e6, "units": 1.0}[time_unit]
+    scale = scales[time_unit]
     rows = sorted({(s.rank, s.stream) for s in spans})
     row_of = {r: i for i, r in enumerate(rows)}
     cats = sorted({s.category or s.stream for s in spans})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,16 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _md_cell(text: str) -> str:
+    """A Markdown table cell: a ``|`` in the text would end the cell, a newline the row."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _json_value(v: Any) -> Any:
+    """JSON has no NaN or infinity (``JSON.parse`` rejects them): a non-finite float is written as null."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
 @dataclass(kw_only=True, slots=True)
 class Table:
     title: str
@@ -32,6 +43,13 @@ class Table:
     rows: list[list[Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     """Assumptions and labels printed under the table (e.g. "simulated")."""
+
+    def __post_init__(self) -> None:
+        seen = [c for i, c in enumerate(self.columns) if c in list(self.columns)[:i]]
+        if seen:  # records() and the JSON key rows by column name: a repeated name would lose a value
+            raise ValueError(
+                f"table {self.title!r}: column name(s) {sorted(set(seen))} repeated; names must differ"
+            )
 
     def add(self, *values: Any) -> None:
         if len(values) != len(self.columns):
@@ -41,7 +59,7 @@ class Table:
         self.rows.append(list(values))
 
     def records(self) -> list[dict[str, Any]]:
-        return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
+        return [dict(zip(self.columns, map(_json_value, row), strict=True)) for row in self.rows]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,10 +73,10 @@ class Table:
         lines = [
             f"### {self.title}",
             "",
-            "| " + " | ".join(self.columns) + " |",
+            "| " + " | ".join(_md_cell(str(c)) for c in self.columns) + " |",
             "|" + "|".join("---" for _ in self.columns) + "|",
         ]
-        lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in self.rows]
+        lines += ["| " + " | ".join(_md_cell(_fmt(v)) for v in row) + " |" for row in self.rows]
         lines += [""] + [f"- {n}" for n in self.notes]
         return "\n".join(lines).rstrip() + "\n"
 
@@ -80,10 +98,11 @@ class Table:
             console.print(f"  [dim]{n}[/dim]")
 
     def write(self, stem: str | Path) -> tuple[Path, Path]:
-        """Write ``stem.json`` and ``stem.md``; return both paths."""
+        """Write ``stem.json`` and ``stem.md``; return both paths. The suffixes are appended: a stem with
+        dots in its name (``llama3.1-8b``) keeps them."""
         stem = Path(stem)
         stem.parent.mkdir(parents=True, exist_ok=True)
-        js, md = stem.with_suffix(".json"), stem.with_suffix(".md")
-        js.write_text(json.dumps(self.to_json(), indent=2))
+        js, md = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
+        js.write_text(json.dumps(self.to_json(), indent=2, allow_nan=False))
         md.write_text(self.to_markdown())
         return js, md

@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import numbers
 import tomllib
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -85,6 +86,8 @@ class LayerSpec:
 
     def flops(self, seq_len: int, phase: Phase | str = Phase.F) -> float:
         """FLOPs of one sequence of ``seq_len`` model tokens through this layer in ``phase``."""
+        if not seq_len >= 0:  # NaN too
+            raise ValueError(f"layer {self.name!r}: seq_len must be >= 0 tokens, got {seq_len!r}")
         s = seq_len * self.num_tokens_scale
         phase = Phase(phase)
         if phase is Phase.F:
@@ -132,13 +135,17 @@ class ModelSpec:
 
     def flops(self, seq_len: int | None = None, phase: Phase | str | None = None) -> float:
         """FLOPs of one sequence through the whole model; all three phases when ``phase`` is None."""
-        s = seq_len or self.seq_len
+        if seq_len is not None and not seq_len > 0:  # 0 used to mean the default, -1 gave negative FLOPs
+            raise ValueError(
+                f"seq_len must be a positive number of tokens (None: the model's), got {seq_len!r}"
+            )
+        s = self.seq_len if seq_len is None else seq_len
         if phase is None:
             return sum(layer.train_flops(s) for layer in self.layers)
         return sum(layer.flops(s, phase) for layer in self.layers)
 
     def with_seq_len(self, seq_len: int) -> ModelSpec:
-        return replace(self, seq_len=seq_len)
+        return replace(self, seq_len=_tokens(seq_len))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,9 +186,16 @@ class ClusterSpec:
         return self.num_nodes * self.gpus_per_node
 
     def with_nodes(self, num_nodes: int) -> ClusterSpec:
-        if num_nodes < 1:
-            raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"num_nodes must be a whole number >= 1, got {num_nodes!r}")
         return replace(self, num_nodes=num_nodes)
+
+
+def _tokens(seq_len: Any) -> int:
+    """A model's sequence length: a whole number of tokens >= 1."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1:
+        raise ValueError(f"seq_len must be a whole number of tokens >= 1, got {seq_len!r}")
+    return int(seq_len)
 
 
 # --- presets -------------------------------------------------------------------------------------
@@ -222,8 +236,8 @@ def model_preset(
     """
     from steptune.core._builders import build_model
 
-    if seq_len is not None and seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len}")
+    if seq_len is not None:
+        _tokens(seq_len)
     data = _load("models", name, list_model_presets())
     if overrides:
         unknown = sorted(set(overrides) - set(data))
@@ -232,7 +246,7 @@ def model_preset(
         data = {**data, **overrides}
         name = name + "(" + ",".join(f"{k}={v}" for k, v in sorted(overrides.items())) + ")"
     spec = build_model(name, data)
-    return spec.with_seq_len(seq_len) if seq_len else spec
+    return spec.with_seq_len(seq_len) if seq_len is not None else spec
 
 
 def cluster_preset(name: str, *, num_nodes: int | None = None) -> ClusterSpec:
@@ -247,4 +261,4 @@ def cluster_preset(name: str, *, num_nodes: int | None = None) -> ClusterSpec:
         intra=LinkSpec(**data["intra"]),
         inter=LinkSpec(**data["inter"]),
     )
-    return spec.with_nodes(num_nodes) if num_nodes else spec
+    return spec.with_nodes(num_nodes) if num_nodes is not None else spec

@@ -24,7 +24,8 @@ class FSDPStepConfig:
     num_gpus: int
     """Ranks in the FSDP group (consecutive ranks of the cluster)."""
     tokens_per_gpu: int = 8192
-    """Tokens each rank processes per step (one sequence of the model's seq_len, repeated)."""
+    """Tokens each rank processes per step: sequences of the model's seq_len (one shorter sequence when
+    fewer tokens than that; attention is charged for the sequence length actually run)."""
     efficiency: float = 0.5
     """Fraction of the device's dense bf16 peak that matmuls reach."""
     prefetch: int = 1
@@ -71,14 +72,21 @@ def simulate_fsdp_step(model: ModelSpec, cluster: ClusterSpec, config: FSDPStepC
         )
     if config.prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {config.prefetch}")
+    g = cluster.gpus_per_node
+    if config.num_gpus > g and config.num_gpus % g:
+        raise ValueError(
+            f"num_gpus={config.num_gpus} spans nodes of {cluster.name} but is not a multiple of its "
+            f"gpus_per_node={g}: pick {g * (config.num_gpus // g)} or {g * (config.num_gpus // g + 1)}"
+        )
     env = Environment()
     compute, network = Resource(env, name="compute"), Resource(env, name="network")
     n = model.num_layers
-    seqs = config.tokens_per_gpu / model.seq_len
+    seq = min(model.seq_len, config.tokens_per_gpu)  # fewer tokens than seq_len: one shorter sequence
+    seqs = config.tokens_per_gpu / seq
     dev = cluster.device
 
     def ctime(i: int, phases: tuple[Phase, ...]) -> float:
-        flops = sum(model.layers[i].flops(model.seq_len, p) for p in phases) * seqs
+        flops = sum(model.layers[i].flops(seq, p) for p in phases) * seqs
         return compute_time(flops, dev, efficiency=config.efficiency)
 
     def ctime_coll(kind: Collective, nbytes: float) -> float:

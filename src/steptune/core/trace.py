@@ -8,6 +8,7 @@ written in microseconds, as the format expects. Names of ranks and streams are w
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,9 @@ class Trace:
         category: str = "",
         **args: Any,
     ) -> Span:
+        if not (math.isfinite(start) and math.isfinite(duration)):
+            # JSON has no NaN or infinity: the viewer would refuse the whole file
+            raise ValueError(f"span {name!r}: start {start} and duration {duration} must be finite seconds")
         if duration < 0:
             raise ValueError(f"span {name!r} has negative duration {duration}")
         span = Span(
@@ -95,8 +99,22 @@ class Trace:
     def write(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json()))
+        # numpy scalars, paths and the like in span args are written as their text rather than failing here
+        path.write_text(json.dumps(self.to_json(), default=_as_text, allow_nan=False))
         return path
+
+
+def _as_text(value: Any) -> Any:
+    item = getattr(value, "item", None)  # numpy and torch scalars
+    if callable(item):
+        try:
+            out = item()
+        except (TypeError, ValueError):
+            return str(value)
+        if isinstance(out, float) and not math.isfinite(out):
+            return None
+        return out
+    return str(value)
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -105,19 +123,25 @@ def load_trace(path: str | Path) -> Trace:
     if "traceEvents" not in data:
         raise ValueError(f"{path}: not a Chrome trace (no 'traceEvents' key)")
     names: dict[tuple[int, int], str] = {}
+    trace = Trace()
     for ev in data["traceEvents"]:
         if ev.get("ph") == "M" and ev.get("name") == "thread_name":
             names[(ev["pid"], ev["tid"])] = ev["args"]["name"]
-    trace = Trace()
+        elif ev.get("ph") == "M" and ev.get("name") == "process_name":
+            trace._rank_names[ev["pid"]] = ev["args"]["name"]
     for ev in data["traceEvents"]:
         if ev.get("ph") == "X":
-            trace.add(
-                ev["name"],
-                ev["ts"] / 1e6,
-                ev["dur"] / 1e6,
-                rank=ev["pid"],
-                stream=names.get((ev["pid"], ev["tid"]), str(ev["tid"])),
-                category=ev.get("cat", ""),
-                **ev.get("args", {}),
+            # built directly, not through add(): args may hold keys named like add's own (PyTorch profiler
+            # kernel events carry "stream")
+            trace.spans.append(
+                Span(
+                    name=ev["name"],
+                    start=ev["ts"] / 1e6,
+                    duration=ev.get("dur", 0.0) / 1e6,
+                    rank=ev["pid"],
+                    stream=names.get((ev["pid"], ev["tid"]), str(ev["tid"])),
+                    category=ev.get("cat", ""),
+                    args=dict(ev.get("args", {})),
+                )
             )
     return trace

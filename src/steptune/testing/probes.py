@@ -69,3 +69,20 @@ def registered_ring(rank: int, group: Any) -> float:
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return float(got.item())
+
+
+def exit_on(rank: int, group: Any, bad_rank: int = 1, code: int = 3) -> list[float]:
+    """``bad_rank``'s process dies without a word (``os._exit``) while the others wait in a collective;
+    the harness must blame it, not the peer whose collective then fails."""
+    import os
+    import time
+
+    if rank == bad_rank:
+        time.sleep(0.5)
+        os._exit(code)
+    return all_reduce_sum(rank, group)
+
+
+def unpicklable_result(rank: int, group: Any) -> Any:
+    """Returns what cannot be sent back to the parent (a lambda)."""
+    return lambda: rank

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -61,7 +62,14 @@ def _worker(
             break
         task_id, fn, args = task
         try:
-            results.put((task_id, rank, True, fn(rank, group, *args)))
+            value = fn(rank, group, *args)
+            try:  # Queue.put pickles in a feeder thread, whose error the parent would never see
+                pickle.dumps(value)
+            except Exception as exc:
+                raise TypeError(
+                    f"rank {rank}'s result {type(value).__name__} cannot be sent back: {exc}"
+                ) from exc
+            results.put((task_id, rank, True, value))
         except BaseException:
             results.put((task_id, rank, False, traceback.format_exc()))
             abort_group(group)
@@ -148,6 +156,13 @@ class SpawnPool:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self._kill()
             self._start()
+        try:  # Queue.put pickles in a feeder thread: an error there would only show as a timeout
+            pickle.dumps((fn, args))
+        except Exception as exc:
+            raise TypeError(
+                f"SpawnPool.run({getattr(fn, '__qualname__', fn)!r}, ...): the function and its arguments "
+                f"must pickle (a top-level function of an importable module): {exc}"
+            ) from None
         task_id = next(self._task_ids)
         for q in self._tasks:
             q.put((task_id, fn, args))
@@ -156,33 +171,46 @@ class SpawnPool:
         deadline = time.monotonic() + (timeout or self.timeout)
         first_error: tuple[int, str] | None = None
         error_at = 0.0
+        all_gone = 0.0  # when every rank still owed an answer was first seen dead
         while pending:
             now = time.monotonic()
             if now > deadline or (first_error and now - error_at > 5.0):
                 break
+            if all(not self._procs[r].is_alive() for r in pending):
+                all_gone = all_gone or now
+                if now - all_gone > 0.5:  # their last answers, if any, have had time to arrive
+                    break
             try:
                 tid, rank, ok, value = self._results.get(timeout=0.1)
             except queue.Empty:
-                dead = [r for r in pending if not self._procs[r].is_alive()]
-                if dead and first_error is None:
-                    first_error, error_at = (
-                        (dead[0], f"process exited with code {self._procs[dead[0]].exitcode}"),
-                        now,
-                    )
+                if first_error is None and any(not self._procs[r].is_alive() for r in pending):
+                    error_at = now  # starts the grace period; who is blamed is settled below
+                    first_error = (-1, "")
                 continue
             if tid not in (task_id, -1):
                 continue  # a late reply to an earlier, failed task
             pending.discard(rank)
             if ok:
                 out[rank] = value
-            elif first_error is None:
-                first_error, error_at = (rank, value), now
+            elif first_error is None or first_error[0] == -1:
+                first_error, error_at = (rank, value), (error_at if first_error else now)
+        # A rank whose process died without answering (os._exit, a signal, a segfault) is the likelier
+        # culprit: its peers' errors ("Connection closed by peer") come from its death.
+        crashed = sorted(r for r in pending if not self._procs[r].is_alive())
+        if crashed:
+            r = crashed[0]
+            msg = f"process exited with code {self._procs[r].exitcode} without answering"
+            if first_error is not None and first_error[0] >= 0:
+                msg += f"\nthen rank {first_error[0]} failed:\n{first_error[1]}"
+            first_error = (r, msg)
+        elif first_error == (-1, ""):  # the rank seen dead had answered after all
+            first_error = None
         if first_error is not None or pending:
             self._kill()
             if first_error is not None:
                 raise RankFailure(*first_error)
             raise TimeoutError(
                 f"ranks {sorted(pending)} of {self.world_size} did not answer within "
-                f"{timeout or self.timeout:.0f}s (pool killed)"
+                f"{timeout or self.timeout:g} s (pool killed)"
             )
         return out

@@ -98,5 +98,9 @@ def run_threads(
         _, rank, tb = min(failures)
         raise RankFailure(rank, tb)
     if stuck:
-        raise TimeoutError(f"ranks {stuck} of {world_size} still running after {timeout:.0f}s (aborted)")
+        raise TimeoutError(
+            f"ranks {stuck} of {world_size} still running after {timeout:g} s (aborted; a rank blocked in a "
+            "collective may only be waiting for a stuck peer, and a thread that never returns to torch keeps "
+            "running: Python cannot stop it)"
+        )
     return results

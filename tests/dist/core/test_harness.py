@@ -64,6 +64,27 @@ def test_spawn_hung_rank_times_out(pool):
     assert pool.run(probes.whoami) == [(0, 2), (1, 2)]
 
 
+def test_spawn_blames_the_rank_whose_process_died_not_the_peer_it_left_waiting(pool):
+    # Found in review: rank 0's "Connection closed by peer" was reported, and rank 1's exit never named.
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="process exited with code 3") as info:
+        pool.run(probes.exit_on)
+    assert info.value.rank == 1, info.value
+    assert time.monotonic() - t0 < 10.0
+    assert pool.run(probes.whoami) == [(0, 2), (1, 2)]
+
+
+def test_spawn_says_at_once_what_cannot_be_pickled(pool):
+    # Found in review: both cases waited out the whole timeout, then reported ranks that "did not answer".
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match="must pickle"):
+        pool.run(lambda rank, group: rank)
+    with pytest.raises(RankFailure, match="cannot be sent back"):
+        pool.run(probes.unpicklable_result, timeout=30)
+    assert time.monotonic() - t0 < 10.0
+    assert pool.run(probes.whoami) == [(0, 2), (1, 2)]
+
+
 def test_spawn_default_group_registers_with_torch():
     with SpawnPool(2, timeout=60, default_group=True) as p:
         assert p.run(probes.registered_ring) == [1.0, 0.0]
