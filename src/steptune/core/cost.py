@@ -169,6 +169,13 @@ def group_collective_time(
     if world % g:
         raise ValueError(f"a group spanning nodes must be a multiple of gpus_per_node={g}, got {world}")
     n = world // g
+    algo = Algorithm(algo)
+    if algo in (Algorithm.RECURSIVE, Algorithm.RABENSEIFNER) and n & (n - 1):
+        lo, hi = g * (1 << (n.bit_length() - 1)), g * (1 << n.bit_length())
+        raise ValueError(
+            f"{algo.value} across nodes needs a power-of-two node count; {world} ranks span {n} nodes of "
+            f"{g} on {cluster.name}: use ring, or {lo} or {hi} ranks"
+        )
     intra = collective_time(kind, nbytes, g, cluster.intra, Algorithm.RING)
     if kind is Collective.ALL_REDUCE:
         # RS inside the node, AR of S/G across nodes on each rail, AG inside the node.

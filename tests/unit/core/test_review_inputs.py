@@ -186,3 +186,15 @@ def test_config_flags_keep_factory_defaults_and_inherited_docs():
     add_config_args(p, _WithFactory)
     assert config_from_args(_WithFactory, p.parse_args([])).steps == 7  # was a required flag
     assert field_docs(_Derived) == {"steps": "Training steps.", "ranks": "Ranks."}
+
+
+def test_a_recursive_collective_across_an_odd_node_count_names_the_ranks_not_the_nodes():
+    from steptune.core.cost import group_collective_time
+
+    c = cluster_preset("dgx-h100")
+    with pytest.raises(
+        ValueError, match="24 ranks span 3 nodes of 8 on dgx-h100: use ring, or 16 or 32 ranks"
+    ):
+        group_collective_time("all_gather", 1e6, 24, c, "recursive")  # said "got 3"
+    assert group_collective_time("all_gather", 1e6, 32, c, "recursive") > 0
+    assert group_collective_time("all_reduce", 1e6, 24, c, "tree") > 0

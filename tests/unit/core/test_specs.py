@@ -123,7 +123,9 @@ def test_presets_and_step_configs_refuse_what_cannot_be_simulated():
 
     with pytest.raises(ValueError, match="unknown model preset 'nope'"):  # said "unknown models preset"
         model_preset("nope")
-    with pytest.raises(ValueError, match="seq_len must be a whole number of tokens >= 1"):  # 0 was "the default"
+    with pytest.raises(
+        ValueError, match="seq_len must be a whole number of tokens >= 1"
+    ):  # 0 was "the default"
         model_preset("llama2-7b", seq_len=0)
     with pytest.raises(ValueError, match="num_gpus >= 1"):
         FSDPStepConfig(num_gpus=0)
