@@ -88,3 +88,14 @@ def test_no_survivors_lists_how_each_rank_ended(tmp_path, capsys):
     assert main(["resilience", "elastic", "--nproc-per-node", "2", "--timeout", "60", f"{script}:train"]) == 1
     err = capsys.readouterr().err
     assert "no survivors" in err and "rank 0: killed by SIGKILL, rank 1: killed by SIGKILL" in err, err
+
+
+def test_arguments_the_function_cannot_take_are_refused_before_any_rank_starts(tmp_path, capsys):
+    # Found in review: each rank raised "missing 1 required positional argument" after the group formed.
+    script = tmp_path / "needs_steps_loop.py"
+    script.write_text("def train(ctx, steps):\n    return int(steps)\n")
+    assert main(["resilience", "elastic", "--nproc-per-node", "2", f"{script}:train"]) == 2
+    err = capsys.readouterr().err
+    assert "train(ctx, steps) cannot be called as train(ctx)" in err and "as strings" in err, err
+    assert main(["resilience", "elastic", "--nproc-per-node", "2", f"{script}:train", "1", "2"]) == 2
+    assert "cannot be called as train(ctx, '1', '2')" in capsys.readouterr().err

@@ -40,6 +40,25 @@ def resolve(target: str) -> Any:
     return fn
 
 
+def _check_call(target: str, fn: Any, fn_args: list[str]) -> None:
+    """Refuse, before any rank starts, arguments the function cannot take (each rank would raise a
+    TypeError in its first line, after the group formed)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check (a builtin)
+        return
+    try:
+        sig.bind(None, *fn_args)
+    except TypeError as exc:
+        given = ", ".join(["ctx", *map(repr, fn_args)])
+        raise ValueError(
+            f"{target}: {fn.__name__}{sig} cannot be called as {fn.__name__}({given}): {exc}. What follows "
+            "the target goes to the function, as strings"
+        ) from None
+
+
 def _run(args: argparse.Namespace) -> int:
     from steptune.resilience.elastic import launch, lost_reason, recovery_text
 
@@ -53,6 +72,7 @@ def _run(args: argparse.Namespace) -> int:
             "function, not to this command (put options before the target)",
             file=sys.stderr,
         )
+    _check_call(args.target, fn, fn_args)
     try:
         res = launch(
             fn, args.nproc_per_node, *fn_args, timeout_s=args.timeout, group_timeout_s=args.group_timeout,
