@@ -17,24 +17,36 @@ import argparse
 import datetime
 import json
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from steptune.core.argtypes import non_negative_int, output_file, positive_float, positive_int
 from steptune.resilience.live import global_batch, microbatch_loss, proxy_model, stage_model
-from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault
+from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault, fault_range_error
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--slow-rank", type=int, default=None)
-    ap.add_argument("--factor", type=float, default=1.6)
-    ap.add_argument("--at", type=int, default=20)
-    ap.add_argument("--time-scale", type=float, default=0.02)
-    ap.add_argument("--json", type=Path, default=None, help="rank 0 writes its step reports here")
+    ap.add_argument("--steps", type=positive_int, default=60)
+    ap.add_argument("--slow-rank", type=non_negative_int, default=None)
+    ap.add_argument("--factor", type=float, default=1.6, help="slowdown factor, >= 1")
+    ap.add_argument("--at", type=non_negative_int, default=20, help="the first slow step")
+    ap.add_argument("--time-scale", type=positive_float, default=0.02)
+    ap.add_argument("--json", type=output_file, default=None, help="rank 0 writes its step reports here")
     args = ap.parse_args()
+    if "RANK" not in os.environ:
+        ap.error("run it under torchrun: torchrun --standalone --nproc-per-node 4 " + __file__)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.slow_rank is not None:
+        if args.slow_rank >= world:
+            ap.error(f"--slow-rank {args.slow_rank}: the ranks are 0..{world - 1}")
+        if args.at >= args.steps:
+            ap.error(f"--at {args.at}: the slowdown would start after the last step ({args.steps} steps)")
+        names = ("slow-rank", "factor", "at", "")
+        problem = fault_range_error(args.slow_rank, args.factor, args.at, None, names=names)
+        if problem:
+            ap.error("--" + problem.replace("):", ":", 1))
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, group = dist.get_rank(), dist.group.WORLD

@@ -12,6 +12,7 @@ from pathlib import Path
 
 __all__ = [
     "non_negative_float",
+    "non_negative_int",
     "output_dir",
     "output_file",
     "plot_file",
@@ -41,6 +42,11 @@ def positive_int(text: str) -> int:
 def positive_float(text: str) -> float:
     """A finite number > 0 (seconds, scales)."""
     return _number(text, float, lambda v: v > 0, "a number", "> 0 and finite")
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number >= 0 (a rank, a step index)."""
+    return int(_number(text, int, lambda v: v >= 0, "a whole number", ">= 0"))
 
 
 def non_negative_float(text: str) -> float:

@@ -29,3 +29,20 @@ def test_runtime_under_torchrun(tmp_path):
     assert 12 <= step <= 14 and abs(slowdown / 2.0 - 1) < 0.15, alarms
     assert steps[-1]["speeds"][1] < 0.6, steps[-1]  # the next plans give rank 1 about half the work
     assert "detected" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "says"),
+    [(["--steps", "0"], {"RANK": "0", "WORLD_SIZE": "2"}, "--steps: must be >= 1"),
+     (["--slow-rank", "7"], {"RANK": "0", "WORLD_SIZE": "2"}, "--slow-rank 7: the ranks are 0..1"),
+     (["--slow-rank", "1", "--factor", "0.5"], {"RANK": "0", "WORLD_SIZE": "2"}, "--factor=0.5: a slowdown"),
+     (["--json", "/"], {"RANK": "0", "WORLD_SIZE": "2"}, "is a directory"),
+     ([], {}, "run it under torchrun")],
+)  # fmt: skip
+def test_the_example_refuses_bad_arguments_before_it_starts(argv, env, says):
+    # Found in review: --steps 0 was a ZeroDivisionError, --json DIR an IsADirectoryError after the whole
+    # run, --slow-rank 7 a traceback from every rank, and a plain `python` run a KeyError-like traceback.
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    r = subprocess.run([sys.executable, str(EXAMPLE), *argv], capture_output=True, text=True, timeout=60,
+                       env={**base, **env})  # fmt: skip
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
