@@ -103,6 +103,14 @@ def main() -> None:
                 f"{flag} {value[0]}:{value[1]}: the job has ranks 0-{world - 1} and steps "
                 f"0-{args.steps - 1}, so it would never fire"
             )
+    if not 0 <= args.node_rank < args.nnodes:
+        ap.error(f"--node-rank {args.node_rank}: the hosts are 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
+    if args.nnodes > 1 and not args.master:
+        ap.error(
+            "--nnodes > 1 needs --master: HOST:PORT of node 0, or file:PATH on a filesystem every host sees"
+        )
+    if kill_host is not None and args.nnodes == 1:
+        ap.error("--kill-host kills a host agent: it needs --nnodes > 1")
     ref = launch(train, 1, args.steps, None)["results"][0]
     nodes = {"nnodes": args.nnodes, "node_rank": args.node_rank, "master": args.master, "host": args.host,
              "node_timeout_s": args.node_timeout}  # fmt: skip

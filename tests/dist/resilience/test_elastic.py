@@ -278,3 +278,16 @@ def test_the_documented_loop_runs_when_a_rank_gets_no_items():
     res = launch(_docs_loop, 2, 3, 1, timeout_s=120)
     assert res["survivors"] == [0, 1], res
     assert res["results"][0] == res["results"][1] and sorted(res["results"][0]) == [0, 1, 2], res
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [(["--nnodes", "2", "--node-rank", "0"], "--nnodes > 1 needs --master"),
+     (["--nnodes", "2", "--node-rank", "5", "--master", "file:/tmp/never"], "--node-rank 5: the hosts are 0..1"),
+     (["--kill-host", "1:2"], "--kill-host kills a host agent: it needs --nnodes > 1")],
+)  # fmt: skip
+def test_the_example_refuses_a_multi_host_mistake_before_it_starts(argv, says):
+    # Found in review: both host mistakes were tracebacks, raised after the single-process reference run.
+    example = Path(__file__).resolve().parents[3] / "examples" / "elastic_dp.py"
+    r = subprocess.run([sys.executable, str(example), *argv], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
