@@ -283,7 +283,7 @@ def test_the_documented_loop_runs_when_a_rank_gets_no_items():
 @pytest.mark.parametrize(
     ("argv", "says"),
     [(["--nnodes", "2", "--node-rank", "0"], "--nnodes > 1 needs --master"),
-     (["--nnodes", "2", "--node-rank", "5", "--master", "file:/tmp/never"], "--node-rank 5: the hosts are 0..1"),
+     (["--nnodes", "2", "--node-rank", "5", "--master", "file:/tmp/never"], "--node-rank 5: the hosts are"),
      (["--kill-host", "1:2"], "--kill-host kills a host agent: it needs --nnodes > 1")],
 )  # fmt: skip
 def test_the_example_refuses_a_multi_host_mistake_before_it_starts(argv, says):
