@@ -91,6 +91,7 @@ def test_resilience_simulate_help_names_every_policy_and_scenario_kind(capsys):
         (["--inject", "slow:rank=9,factor=2,at=3"], "outside 0..3"),
         (["--inject", "slow:rank=1"], "expected slow:rank=R,factor=F,at=S"),
         (["--layout", "dp=2,pp=2", "--ranks", "3"], "needs dp*pp*tp = 4 ranks"),
+        (["--ranks", "2", "--inject", "slow:rank=5,factor=2,at=1"], "outside 0..1"),  # layout was dp=4
         (["--plot", "x.png"], "add --compare"),
     ],
 )
@@ -115,6 +116,11 @@ def test_resilience_run_rejects_bad_numbers(argv, capsys):
         (["resilience", "failstop", "--kill-rank", "9"], "has ranks 0..3"),
         (["resilience", "failstop", "--kill-step", "30"], "has steps 0..19"),
         (["resilience", "failstop", "--layout", "dp=2,pp=2", "--kill-rank", "4"], "has ranks 0..3"),
+        (["resilience", "failstop", "--layout", "dp=2,pp=2", "--ranks", "8"], "has 4 ranks: drop --ranks"),
+        (
+            ["resilience", "bench", "--quick", "--models", "llama2-7b,llama-7b", "--json", "/tmp/never.json"],
+            "unknown model preset 'llama-7b'",
+        ),
         (["memory", "plan", "--model", "qwen3-tiny", "--limit", "abc"], "write bytes (300MiB"),
         (
             [

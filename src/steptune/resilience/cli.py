@@ -197,7 +197,12 @@ def _bench(args: argparse.Namespace) -> int:
         else BenchConfig(seeds=tuple(range(args.seeds)), workers=args.workers)
     )
     if args.models:
-        cfg = replace(cfg, models=tuple(args.models.split(",")))
+        from steptune.core.specs import model_preset
+
+        models = tuple(m.strip() for m in args.models.split(","))
+        for m in models:  # every name before the first scenario runs (a typo used to surface minutes in)
+            model_preset(m)
+        cfg = replace(cfg, models=models)
     cfg = replace(cfg, lengths=_lengths(args.lengths))
     res = run_bench(cfg, progress=lambda m: print(m, flush=True))
     print_bench(res)
@@ -337,6 +342,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if (args.json or args.plot) and not args.compare:
         raise ValueError("--json and --plot write the --compare results: add --compare")
+    if args.layout is None:
+        args.layout = f"dp={args.ranks}"
     dp, pp, tp = parse_layout(args.layout)
     if dp * pp * tp != args.ranks:
         raise ValueError(
@@ -464,6 +471,7 @@ def _failstop(args: argparse.Namespace) -> int:
     if not 0 <= args.kill_step < args.steps:
         raise ValueError(f"--kill-step {args.kill_step}: the run has steps 0..{args.steps - 1} (--steps)")
     if args.layout is None:
+        args.ranks = 4 if args.ranks is None else args.ranks
         if args.ranks < 2:
             raise ValueError("--ranks must be >= 2: a dead rank's survivors are its data-parallel peers")
         if not 0 <= args.kill_rank < args.ranks:
@@ -472,6 +480,10 @@ def _failstop(args: argparse.Namespace) -> int:
         where = f"before step {args.kill_step}'s all-reduce"
     else:
         dp, pp, tp = parse_layout(args.layout)
+        if args.ranks is not None and args.ranks != dp * pp * tp:  # it was ignored without a word
+            raise ValueError(
+                f"--ranks {args.ranks} but --layout {args.layout} has {dp * pp * tp} ranks: drop --ranks"
+            )
         if dp < 2:
             raise ValueError(
                 f"--layout {args.layout}: fail-stop survival restores a dead rank's state from a "
@@ -557,8 +569,9 @@ def register(sub: Any) -> None:
     )
     run.add_argument(
         "--layout",
-        default="dp=4",
-        help="dp=N, dp=N,pp=M (rank = replica * pp + stage) or dp=N,tp=M (rank = replica * tp + member)",
+        default=None,
+        help="dp=N, dp=N,pp=M (rank = replica * pp + stage) or dp=N,tp=M (rank = replica * tp + member) "
+        "(default: dp=--ranks)",
     )
     run.add_argument(
         "--inject",
@@ -614,7 +627,9 @@ def register(sub: Any) -> None:
         "survivors rebuilding their gloo group and redoing the step, and restart-everything from the last "
         "checkpoint. Prints the loss difference against the failure-free run and the wall times.",
     )
-    fs.add_argument("--ranks", type=positive_int, default=4, help="DP ranks (without --layout)")
+    fs.add_argument(
+        "--ranks", type=positive_int, default=None, help="DP ranks (default 4; with --layout, its product)"
+    )
     fs.add_argument(
         "--layout",
         default=None,
