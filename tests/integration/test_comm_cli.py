@@ -62,6 +62,10 @@ def test_comm_simulate_prints_every_system_and_writes_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["simulated"] is True and set(data["systems"]) == {"stock", "symmmem", "tide"}
     assert data["systems"]["tide"]["step_time_s"] < data["systems"]["stock"]["step_time_s"]
+    assert "simulated with" not in text
+    # more GPUs than the preset has: the node type is repeated, and the table says so (it did not)
+    assert main(["comm", "simulate", "--model", "llama3.1-70b", "--gpus", "128"]) == 0
+    assert "dgx-h100 has 64 GPUs as a preset; simulated with 16 nodes of 8" in capsys.readouterr().out
 
 
 def test_comm_simulate_bad_preset_says_which_exist(capsys):

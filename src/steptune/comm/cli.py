@@ -89,6 +89,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
+    from steptune.core.specs import list_cluster_presets
+
     p = sub.add_parser(
         "comm",
         help="TIDE: zero-copy FSDP2 all-gather and bf16->fp32 reduce-scatter (bench on gloo)",
@@ -116,7 +118,9 @@ def register(sub: Any) -> None:
     )
     sim.add_argument("--model", default="llama3.1-70b", help="model preset (steptune.core presets)")
     sim.add_argument("--gpus", type=positive_int, default=64, help="FSDP world size W")
-    sim.add_argument("--cluster", default="dgx-h100", help="cluster preset: dgx-h100, dgx-h200, gb200-nvl72")
+    sim.add_argument(
+        "--cluster", default="dgx-h100", help=f"cluster preset: {', '.join(list_cluster_presets())}"
+    )
     sim.add_argument("--tokens", type=positive_int, default=8192, help="tokens per GPU per step")
     sim.add_argument("--calibration", default=None, help="a benchmarks/gpu/comm.py JSON with a 'fit' section")
     sim.add_argument("--json", type=output_file, default=None, help="also write the results as JSON")
@@ -129,6 +133,8 @@ def register(sub: Any) -> None:
     cal.add_argument("--model", default="llama3.1-70b", help="model preset (default %(default)s)")
     cal.add_argument("--gpus", type=positive_int, default=64, help="FSDP world size W (default %(default)s)")
     cal.add_argument(
-        "--cluster", default="dgx-h200", help="cluster preset: dgx-h100, dgx-h200 (default), gb200-nvl72"
+        "--cluster",
+        default="dgx-h200",
+        help=f"cluster preset: {', '.join(list_cluster_presets())} (default dgx-h200: the GPU measured)",
     )
     cal.set_defaults(func=_calibrate)

@@ -63,9 +63,16 @@ def simulate_table(model: str, cluster: str, gpus: int, consts: CommConstants, t
         ],
         notes=[_SIM, _constants_note(consts)],
     )
-    device_note = consts.device_note(cluster_preset(cluster).device)
+    preset = cluster_preset(cluster)
+    device_note = consts.device_note(preset.device)
     if device_note:
         t.notes.append(device_note)
+    if gpus > preset.num_gpus:  # the preset is a node type: the cluster grows to fit the world
+        nodes = -(-gpus // preset.gpus_per_node)
+        t.notes.append(
+            f"{cluster} has {preset.num_gpus} GPUs as a preset; simulated with {nodes} nodes of "
+            f"{preset.gpus_per_node} (same node and links)"
+        )
     for name, r in res.items():
         t.add(
             name,
