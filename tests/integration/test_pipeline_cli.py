@@ -51,6 +51,10 @@ def test_tune_writes_schedule_trace_and_gantt(tmp_path, capsys):
         == 0
     )
     assert "makespan" in capsys.readouterr().out
+    # ... and for another model it says to tune one (it said "partition ... must cover all 34 layers")
+    argv = ["pipeline", "simulate", "--schedule", str(out / "schedule.json"), "--model", "llama2-7b"]
+    assert main([*argv, "--out", str(tmp_path / "s2")]) == 2
+    assert "tune a schedule for llama2-7b" in capsys.readouterr().err
 
 
 def test_simulate_a_torch_csv_with_unit_costs(tmp_path, capsys):

@@ -126,6 +126,14 @@ def _simulate(args: argparse.Namespace) -> int:
         layers, cap, link = _model_costs(args, args.model)
         layers = split_layer(layers, layers.num_layers - 1, int(sched.meta.get("head_split", 1)))
         part = sched.partition
+        if part is not None and sum(part) != layers.num_layers:
+            tuned = sched.meta.get("model")
+            raise ValueError(
+                f"{args.schedule}: its partition covers {sum(part)} units, --model {args.model} has "
+                f"{layers.num_layers} (after the head split): "
+                + (f"it was tuned for {tuned}; " if tuned else "")
+                + f"tune a schedule for {args.model} (steptune pipeline tune --model {args.model} ...)"
+            )
         if part is None:
             part = uniform_partition(layers.num_layers, sched.num_stages)
             notes.append(
