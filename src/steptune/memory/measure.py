@@ -207,11 +207,29 @@ def measure_peak(
             return max(int(d["Total"]) for d in tracker.get_tracker_snapshot("peak").values())
 
         probe = head_peak_probe(model, blocks, so_far, head) if head is not None else contextlib.nullcontext()
-        with tracker, probe:
+        with _quiet_mod_tracker(), tracker, probe:
             _loss(model, batch).backward()
         snapshot = tracker.get_tracker_snapshot("peak")
     model.zero_grad(set_to_none=True)
     return max(int(per_device["Total"]) for per_device in snapshot.values()), sum(storages.values())
+
+
+@contextlib.contextmanager
+def _quiet_mod_tracker() -> Iterator[None]:
+    """MemTracker's ModTracker warns "The module hierarchy tracking maybe be messed up. Please file a bug
+    to PyTorch" when checkpointing reruns a block's forward inside backward (a module entered again while
+    it is still a parent). Only its per-module attribution is affected, not the storage-level total used
+    here, so the warning (5 of them per `steptune demo`) is dropped; torch also replaces
+    ``warnings.formatwarning`` process-wide there, which is put back."""
+    import warnings
+
+    fmt = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
+        try:
+            yield
+        finally:
+            warnings.formatwarning = fmt
 
 
 @contextlib.contextmanager

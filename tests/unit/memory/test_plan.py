@@ -151,3 +151,20 @@ def test_with_both_phases_measured_the_budget_widens_where_a_blocks_backward_hol
     assert got <= limit and abs(wide.predicted_peak - got) <= 0.002 * got
     assert wide.predicted_replay_s < 0.9 * strict.predicted_replay_s
     assert sum(b.kept_bytes for b in wide.blocks.values()) > sum(b.kept_bytes for b in strict.blocks.values())
+
+
+def test_measuring_a_recomputing_policy_does_not_warn_of_a_torch_bug():
+    # torch's ModTracker warned "Please file a bug to PyTorch" for every checkpointed measurement (5 times
+    # per demo), and replaced warnings.formatwarning process-wide.
+    import warnings
+
+    model, batch = build_model("qwen3-tiny"), make_batch("qwen3-tiny")
+    fmt = warnings.formatwarning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for policy in ("full_ac", "tapesac_replay"):
+            measure_peak(model, batch, policy)
+        warnings.warn("a later warning still shows", UserWarning, stacklevel=1)
+    assert not [w for w in seen if "hierarchy tracking" in str(w.message)], [str(w.message) for w in seen]
+    assert [str(w.message) for w in seen] == ["a later warning still shows"]
+    assert warnings.formatwarning is fmt
