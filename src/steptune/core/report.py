@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Table"]
+__all__ = ["Table", "plural"]
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 thread``, ``2 threads``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
 
 _PIPED_WIDTH = 200
 """Console width when output is not a terminal and COLUMNS is unset (rich would assume 80)."""

@@ -45,7 +45,11 @@ def describe(res: Any, candidate: str) -> str:
         lines.append(f"build      {res.compile_s:.2f} s (import and compile)")
     sandbox = res.extra.get("sandbox") or {}
     if sandbox:
-        who = "root (nobody cannot read this Python)" if sandbox.get("uid") == 0 else f"uid {sandbox['uid']}"
+        who = (
+            "root (the unprivileged user cannot read this Python installation)"
+            if sandbox.get("uid") == 0
+            else f"uid {sandbox['uid']}"
+        )
         net = "no network" if sandbox.get("network_isolated") else "network reachable"
         lines.append(f"sandbox    ran as {who}, {net}")
     return "\n".join(lines)

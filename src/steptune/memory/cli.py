@@ -84,10 +84,10 @@ def _plan(args: argparse.Namespace) -> int:
             f"to no checkpointing ({top / 2**20:.1f} MiB)"
         )
     else:
-        limit, how = int(value), "bytes"
+        limit, how = int(value), ""
     plan = plan_saves(profiles, peak_model, limit, solver=args.solver)
     table = Table(
-        title=f"TapeSAC plan for {args.model} under {limit / 2**20:.1f} MiB ({how})",
+        title=f"TapeSAC plan for {args.model} under {limit / 2**20:.1f} MiB" + (f" ({how})" if how else ""),
         columns=[
             "block signature (first block)",
             "blocks",

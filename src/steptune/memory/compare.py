@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from steptune.core.report import Table
+from steptune.core.report import Table, plural
 from steptune.memory.measure import (
     POLICIES,
     grads,
@@ -110,7 +110,8 @@ def compare(
         "seq": preset.seq,
         "layer_forward_ms": layer_ms,
         "repeats": repeats if timed else 0,
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": f"{platform.machine()} {plural(torch.get_num_threads(), 'thread')}, "
+        f"torch {torch.__version__}",
         "date": time.strftime("%Y-%m-%d"),
         "rows": [asdict(CompareRow(**r)) for r in rows.values()],
     }
@@ -168,10 +169,16 @@ def compare_table(result: dict[str, Any]) -> Table:
             None if t is None else round(t, 4),
             None if ratio is None else round(ratio, 3),
         )
-    table.notes.append(
-        f"MEASURED on {result['machine']}, {result['date']}; times are medians of {result['repeats']} "
-        "interleaved steps on one thread of this CPU (two threads made the rounds bimodal), not GPU figures"
-    )
+    if result["repeats"]:
+        table.notes.append(
+            f"MEASURED on {result['machine']}, {result['date']}; times are medians of {result['repeats']} "
+            "interleaved steps on one thread of this CPU (two threads made the rounds bimodal), not GPU "
+            "figures"
+        )
+    else:
+        table.notes.append(
+            f"MEASURED on {result['machine']}, {result['date']}; step times not measured (--no-time)"
+        )
     table.notes.append(
         "recomputation = backward work under the policy minus no_ac's (ops, torch FLOP formulas, bytes of "
         "fresh outputs); peak = torch MemTracker, all live storages, gradients allocated before the step; "

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from steptune.core.argtypes import output_file, plot_file, positive_float, positive_int, warn_ignored
+from steptune.core.report import plural
 
 __all__ = ["register"]
 
@@ -118,7 +119,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return 2
     table = Table(
         title=f"{args.model} TP{job.tp} PP{job.pp} DP{job.dp} ({job.num_devices} GPUs), "
-        f"{args.scenario}: {len(failures)} failures in {args.duration:.0f} s",
+        f"{args.scenario}: {plural(len(failures), 'failure')} in {args.duration:.0f} s",
         columns=["policy", "tokens/s", "stall s", "lost s", "halted s", "plans"],
     )
     results = {}

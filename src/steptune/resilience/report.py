@@ -73,14 +73,18 @@ def print_bench(res: dict[str, Any]) -> None:
     for t in bench_tables(res):
         t.print()
     if res["resihp_below_baseline"]:
-        print(f"ResiHP below a baseline in {len(res['resihp_below_baseline'])} cases:")
+        n = len(res["resihp_below_baseline"])
+        print(f"ResiHP below a baseline in {n} case{'s' if n != 1 else ''}:")
         for x in res["resihp_below_baseline"]:
             print(f"  {x['model']} {x['scenario']}: {x['baseline']} (ratio {x['ratio']:.3f})")
     else:
         print("ResiHP >= every baseline in every row.")
     if "steptune_below_baseline" in res:
         below = res["steptune_below_baseline"]
-        print(f"steptune below a baseline in {len(below)} cases" + (":" if below else "."))
+        print(
+            f"steptune below a baseline in {len(below)} case{'s' if len(below) != 1 else ''}"
+            + (":" if below else ".")
+        )
         for x in below:
             print(f"  {x['model']} {x['scenario']}: {x['baseline']} (ratio {x['ratio']:.3f})")
     if res["above_oracle"]:
