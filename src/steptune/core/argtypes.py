@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 __all__ = [
+    "byte_size",
     "non_negative_float",
     "non_negative_int",
     "output_dir",
@@ -42,6 +43,26 @@ def positive_int(text: str) -> int:
 def positive_float(text: str) -> float:
     """A finite number > 0 (seconds, scales)."""
     return _number(text, float, lambda v: v > 0, "a number", "> 0 and finite")
+
+
+_BYTE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9,
+               "TB": 1e12, "B": 1}  # fmt: skip
+
+
+def byte_size(text: str) -> float:
+    """Bytes, > 0 and finite: a number (80e9) or a number with a unit (80GB, 141GiB, 300MiB)."""
+    upper = text.strip().upper()
+    unit = next((u for u in _BYTE_UNITS if upper.endswith(u)), None)
+    number = upper[: -len(unit)].strip() if unit else upper
+    try:
+        value = float(number) * (_BYTE_UNITS[unit] if unit else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected bytes such as 80e9, 80GB or 141GiB, got {text!r}"
+        ) from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite bytes, got {text}")
+    return value
 
 
 def non_negative_int(text: str) -> int:

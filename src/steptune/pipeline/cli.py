@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from steptune.core.argtypes import (
+    byte_size,
     non_negative_float,
     output_dir,
     output_file,
@@ -22,9 +23,9 @@ __all__ = ["register"]
 def _costs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory-cap",
-        type=positive_float,
+        type=byte_size,
         default=None,
-        help="bytes per device (default: the cluster device's memory)",
+        help="bytes per device: 80e9, 80GB, 141GiB (default: the cluster device's memory)",
     )
     p.add_argument("--cluster", default="dgx-h100", help="cluster preset for device speed, memory and links")
     p.add_argument(

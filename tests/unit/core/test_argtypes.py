@@ -69,3 +69,20 @@ def test_a_plot_path_needs_an_image_suffix_before_the_run(tmp_path):
     with pytest.raises(SystemExit) as stop:  # memory pareto used to fail only after the whole run
         build_parser().parse_args(["memory", "pareto", "--out", str(tmp_path / "p.txt")])
     assert stop.value.code == 2
+
+
+def test_byte_sizes_take_units_and_indices_take_zero():
+    from steptune.core.argtypes import byte_size, non_negative_int
+
+    assert byte_size("80e9") == 80e9 and byte_size("80GB") == 80e9 and byte_size("141GiB") == 141 * 2**30
+    assert byte_size("300 MiB") == 300 * 2**20 and byte_size("512b") == 512
+    for bad, says in (
+        ("80 gigs", "expected bytes such as"),
+        ("0GB", "must be > 0"),
+        ("infGB", "must be > 0"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            byte_size(bad)
+    assert non_negative_int("0") == 0
+    with pytest.raises(argparse.ArgumentTypeError, match="must be >= 0"):
+        non_negative_int("-1")
