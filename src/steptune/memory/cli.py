@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,27 @@ def _compare(args: argparse.Namespace) -> int:
     if args.json:
         print(f"wrote: {write_json(result, args.json)}")
     return 0
+
+
+_CPU_FLOPS = 2e10
+"""A rough single-thread fp32 rate (20 GFLOP/s) for the run-time estimate below; only its order matters."""
+
+
+def _warn_if_long(model: Any, batch: dict[str, Any]) -> None:
+    """Say, before it starts, when a plan would take minutes: it profiles and measures about a dozen
+    forward+backward passes, and a long --seq makes each quadratic in length."""
+    b, s = batch["input_ids"].shape
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    per_step = 6 * params * b * s + 6 * cfg.num_hidden_layers * cfg.hidden_size * b * s * s
+    minutes = 12 * per_step / _CPU_FLOPS / 60
+    if minutes > 2:
+        print(
+            f"steptune memory plan: note: {b} x {s} tokens is about {per_step / 1e12:.1f} TFLOP per step; "
+            f"planning measures about a dozen steps, so expect roughly {minutes:.0f} minutes on one CPU "
+            "thread",
+            file=sys.stderr,
+        )
 
 
 def _parse_limit(text: str) -> float:
@@ -66,6 +88,7 @@ def _plan(args: argparse.Namespace) -> int:
     value = _parse_limit(args.limit)
     model = build_model(args.model)
     batch = make_batch(args.model, batch=args.batch, seq=args.seq)
+    _warn_if_long(model, batch)
     profiles = single_thread(profile_model, model, batch)
     head: list[int] = []
     floor, _ = measure_peak(model, batch, "tapesac_replay", head=head)

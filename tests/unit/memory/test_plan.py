@@ -168,3 +168,15 @@ def test_measuring_a_recomputing_policy_does_not_warn_of_a_torch_bug():
     assert not [w for w in seen if "hierarchy tracking" in str(w.message)], [str(w.message) for w in seen]
     assert [str(w.message) for w in seen] == ["a later warning still shows"]
     assert warnings.formatwarning is fmt
+
+
+def test_a_plan_that_will_take_minutes_says_so_before_it_starts(capsys):
+    # Found in review: `memory plan --seq 100000` ran silently for minutes (hours, by this estimate).
+    from steptune.memory.cli import _warn_if_long
+
+    model = build_model("qwen3-tiny")
+    _warn_if_long(model, make_batch("qwen3-tiny"))
+    assert capsys.readouterr().err == ""
+    _warn_if_long(model, {"input_ids": torch.zeros(2, 100_000, dtype=torch.long)})
+    err = capsys.readouterr().err
+    assert "2 x 100000 tokens" in err and "minutes on one CPU thread" in err
