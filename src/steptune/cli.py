@@ -62,7 +62,11 @@ def _mark_verbs(parser: argparse.ArgumentParser) -> None:
     if not subs:
         parser.set_defaults(_parser=parser)
     for action in subs:
-        for child in action.choices.values():
+        helps = {a.dest: a.help for a in action._choices_actions}
+        for name, child in action.choices.items():
+            if not child.description and helps.get(name):  # `--help` said nothing about what a verb does
+                h = str(helps[name])
+                child.description = h[0].upper() + h[1:] + ("" if h.endswith(".") else ".")
             _mark_verbs(child)
 
 

@@ -171,3 +171,23 @@ def test_bad_numbers_fail_at_parse_time(argv, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "must be" in err or "expected a whole number" in err
+
+
+def test_every_verb_help_says_what_the_verb_does():
+    # Found in review: pipeline tune/simulate/bench and resilience detect/trace/simulate/bench/sweep printed
+    # usage and options only.
+    import argparse
+
+    from steptune.cli import build_parser
+
+    def verbs(parser, path):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            yield path, parser
+        for action in subs:
+            for name, child in action.choices.items():
+                yield from verbs(child, [*path, name])
+
+    found = list(verbs(build_parser(), []))
+    assert len(found) > 20
+    assert [" ".join(p) for p, parser in found if not parser.description] == []
