@@ -22,7 +22,9 @@ def _pyplot() -> Any:
 
 def _save(fig: Any, path: str | Path) -> Path:
     path = Path(path)
-    if not path.suffix:  # matplotlib would add .png itself, and the path returned would not exist
+    if path.suffix.lower().lstrip(".") not in fig.canvas.get_supported_filetypes():
+        # no image suffix ("out/step", "run.v2"): matplotlib would add .png itself or refuse the format,
+        # and the path returned would not exist
         path = path.with_name(path.name + ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

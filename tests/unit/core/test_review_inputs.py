@@ -90,6 +90,8 @@ def test_gantt_returns_the_file_it_wrote_and_says_what_is_wrong(tmp_path):
     t.add("F", 0.0, 1.0)
     out = gantt(t.spans, tmp_path / "step")
     assert out == tmp_path / "step.png" and out.read_bytes()[:4] == b"\x89PNG"
+    assert gantt(t.spans, tmp_path / "run.v2") == tmp_path / "run.v2.png"
+    assert gantt(t.spans, tmp_path / "g.svg").read_text().lstrip().startswith("<?xml")
     with pytest.raises(ValueError, match="no spans"):
         gantt([], tmp_path / "empty.png")
     with pytest.raises(ValueError, match="choose one of s, ms, us, units"):
