@@ -159,7 +159,7 @@ def simulate_fsdp_step(model: ModelSpec, cluster: ClusterSpec, config: FSDPStepC
     step = env.run()
     comp = sum(s.duration for s in spans if s.stream == "compute")
     comm = sum(s.duration for s in spans if s.stream == "comm")
-    flops = model.flops() * seqs
+    flops = model.flops(seq) * seqs
     mfu = flops / (step * dev.peak_flops) if step > 0 else 0.0
     return FSDPStepResult(
         step_time=step,

@@ -100,8 +100,19 @@ class Trace:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         # numpy scalars, paths and the like in span args are written as their text rather than failing here
-        path.write_text(json.dumps(self.to_json(), default=_as_text, allow_nan=False))
+        path.write_text(json.dumps(_finite(self.to_json()), default=_as_text, allow_nan=False))
         return path
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no NaN or infinity: a non-finite float in span args is written as null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _as_text(value: Any) -> Any:
@@ -109,11 +120,9 @@ def _as_text(value: Any) -> Any:
     if callable(item):
         try:
             out = item()
-        except (TypeError, ValueError):
+        except Exception:  # a tensor of several elements, say
             return str(value)
-        if isinstance(out, float) and not math.isfinite(out):
-            return None
-        return out
+        return _finite(out)
     return str(value)
 
 

@@ -53,8 +53,9 @@ def _check_call(target: str, fn: Any, fn_args: list[str]) -> None:
         sig.bind(None, *fn_args)
     except TypeError as exc:
         given = ", ".join(["ctx", *map(repr, fn_args)])
+        name = getattr(fn, "__name__", target)  # a functools.partial or a callable object has none
         raise ValueError(
-            f"{target}: {fn.__name__}{sig} cannot be called as {fn.__name__}({given}): {exc}. What follows "
+            f"{target}: {name}{sig} cannot be called as {name}({given}): {exc}. What follows "
             "the target goes to the function, as strings"
         ) from None
 

@@ -54,10 +54,12 @@ def test_trace_refuses_non_finite_times_and_writes_numpy_args(tmp_path):
         t.add("n", math.nan, 1.0)
     with pytest.raises(ValueError, match="finite"):
         t.add("n", 0.0, math.inf)
-    t.add("k", 0.0, 1e-3, layer=np.int64(3), scale=np.float32(0.5), where=tmp_path)
+    t.add("k", 0.0, 1e-3, layer=np.int64(3), scale=np.float32(0.5), where=tmp_path, loss=math.nan,
+          hist=[1.0, math.inf], grid=np.arange(3))  # fmt: skip
     data = json.loads(t.write(tmp_path / "t.json").read_text())  # was a TypeError at write
     args = next(e["args"] for e in data["traceEvents"] if e["ph"] == "X")
-    assert args == {"layer": 3, "scale": 0.5, "where": str(tmp_path)}
+    assert args == {"layer": 3, "scale": 0.5, "where": str(tmp_path), "loss": None, "hist": [1.0, None],
+                    "grid": "[0 1 2]"}  # fmt: skip
 
 
 def test_load_trace_reads_args_named_like_span_fields_and_rank_names(tmp_path):
@@ -160,6 +162,9 @@ def test_fsdp_step_charges_attention_for_the_sequence_actually_run():
     assert m.seq_len == 8192
     r = simulate_fsdp_step(m, c, FSDPStepConfig(num_gpus=1, tokens_per_gpu=4096, efficiency=0.5))
     assert r.compute_time == pytest.approx(m.flops(4096) / (0.5 * c.device.peak_flops))  # was 6.7% more
+    assert r.mfu == pytest.approx(0.5)  # one GPU: pure compute at the set efficiency
+    q = model_preset("qwen2.5-7b")  # seq_len 32768 > the default 8192 tokens per GPU
+    assert 0 < simulate_fsdp_step(q, c, FSDPStepConfig(num_gpus=8)).mfu <= 0.5  # was 2.6
     with pytest.raises(ValueError, match="not a multiple of its gpus_per_node=8: pick 8 or 16"):
         simulate_fsdp_step(m, c, FSDPStepConfig(num_gpus=12))
 
