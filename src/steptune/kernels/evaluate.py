@@ -12,9 +12,10 @@ unchanged (no process-wide flush-to-zero from -ffast-math), output count, shape,
 allclose at the problem's tolerance, inputs unmutated (bitwise), guard bytes intact (out-of-bounds writes),
 output storage not an earlier output of either side (stale or stolen results), no threads left, and the
 reference's op sequence not replayed by the candidate (a subsequence test over aten ops, plus the
-problem's FORBIDDEN_OPS). When an output differs, the reference is run once more on the same inputs: if it
-disagrees with itself beyond the tolerance (randomness in its forward, nondeterministic atomics), the verdict
-is a problem error, not the candidate's.
+problem's FORBIDDEN_OPS). Before the candidate is imported, the reference runs twice on one draw of inputs:
+if it disagrees with itself beyond the tolerance (randomness or state in its forward, nondeterministic
+atomics), the verdict is a problem error, not the candidate's (checked then, so no candidate code can cause
+it).
 
 Profiling: one validation trial first (profiling a wrong kernel is pointless), then warm-up and `rounds`
 rounds in which reference and candidate are each timed over enough calls to last `round_s`, their order
@@ -167,7 +168,11 @@ def _build(
         init = prob.get_init_inputs()
         ref = prob.Model(*init).to(device).eval()
         with torch.no_grad():  # warm the reference (lazy thread pools) before counting threads
-            _call(ref, [_to(x, device) for x in prob.get_inputs()], "the reference")
+            drawn = [_to(x, device) for x in prob.get_inputs()]
+            first = _call(ref, _clones(drawn), "the reference")
+            # ... and check it is deterministic, before any candidate code runs in this process (a
+            # candidate could patch torch and make the reference look random)
+            _check_reference_stable(problem, first, _call(ref, _clones(drawn), "the reference"))
     except MemoryError:
         raise
     except _Verdict as v:
@@ -329,7 +334,6 @@ def _validate(
                     d = float(diff.max()) if diff.numel() else 0.0
                     max_diff = max(max_diff, d)
                     if not torch.allclose(c, r, atol=atol, rtol=rtol, equal_nan=True):
-                        _check_reference_stable(ref, pristine, k, r, atol, rtol)
                         raise _Verdict(
                             "incorrect",
                             f"output {k} differs from the reference in trial {trial}: max abs diff {d:.3g} "
@@ -337,7 +341,6 @@ def _validate(
                             max_abs_diff=d,
                         )
                 elif not torch.equal(c, r):
-                    _check_reference_stable(ref, pristine, k, r, 0.0, 0.0)
                     raise _Verdict("incorrect", f"output {k} differs from the reference in trial {trial}")
             for outs, ptrs in ((outs_r, ref_ptrs), (outs_c, cand_ptrs)):
                 for t in outs:
@@ -347,32 +350,42 @@ def _validate(
     return {"max_abs_diff": max_diff, "trials": trials, "ref_ops": (ref_ops or [])[:20]}
 
 
-def _check_reference_stable(
-    ref: Any, pristine: list[Any], k: int, first: torch.Tensor, atol: float, rtol: float
-) -> None:
-    """Called when the candidate's output ``k`` differs: reruns the reference on the same inputs and raises
-    a problem error if it disagrees with its own first run (then every candidate would be judged wrong)."""
-    again = _outputs(
-        _call(ref, [x.clone() if isinstance(x, torch.Tensor) else x for x in pristine], "the reference")
-    )
-    second = again[k] if k < len(again) else None
-    if isinstance(second, torch.Tensor) and second.shape == first.shape and second.dtype == first.dtype:
-        if first.is_floating_point() or first.is_complex():
-            same = torch.allclose(second, first, atol=atol, rtol=rtol, equal_nan=True)
+def _clones(xs: list[Any]) -> list[Any]:
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in xs]
+
+
+def _check_reference_stable(problem: dict[str, Any], first: Any, second: Any) -> None:
+    """The reference run twice on the same inputs must agree within the problem's tolerance (exactly, for
+    integer outputs); otherwise no candidate can match it: raise (``_build`` makes it a problem error)."""
+    a, b = _outputs(first), _outputs(second)
+    if len(a) != len(b):
+        raise _Verdict(
+            "incorrect", "the reference is not deterministic: two runs returned different structures"
+        )
+    for k, (x, y) in enumerate(zip(a, b, strict=True)):
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            same = (
+                bool(x == y) if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) else False
+            )
+            detail = "a different value"
+        elif x.shape != y.shape or x.dtype != y.dtype:
+            same, detail = False, "a different shape or dtype"
+        elif x.is_floating_point() or x.is_complex():
+            atol = problem["atol"] if problem.get("atol") is not None else tolerance(x.dtype)
+            rtol = problem["rtol"] if problem.get("rtol") is not None else tolerance(x.dtype)
+            same = torch.allclose(x, y, atol=atol, rtol=rtol, equal_nan=True)
+            d = float((x.double() - y.double()).abs().nan_to_num(0.0).max()) if x.numel() else 0.0
+            detail = f"max abs diff {d:.3g} (atol {atol:g}, rtol {rtol:g})"
         else:
-            same = torch.equal(second, first)
-        if same:
-            return
-        d = float((second.double() - first.double()).abs().nan_to_num(0.0).max()) if first.numel() else 0.0
-        detail = f"max abs diff {d:.3g} (atol {atol:g}, rtol {rtol:g})"
-    else:
-        detail = "a different shape, dtype or structure"
-    raise _Verdict(
-        "incorrect",
-        f"{PROBLEM_ERROR}the reference is not deterministic: run twice on the same inputs, its output {k} "
-        f"differs by {detail}, so no candidate can match it. Seed or remove the randomness in Model.forward "
-        "(dropout in training mode, torch.rand) or set ATOL/RTOL to cover it",
-    )
+            same, detail = torch.equal(x, y), "different integers"
+        if not same:
+            raise _Verdict(
+                "incorrect",
+                f"the reference is not deterministic: run twice on the same inputs, its output {k} differs "
+                f"by {detail}, so no candidate can match it. Seed or remove the randomness or state in "
+                "Model.forward (dropout in training mode, torch.rand, a call counter) or set ATOL/RTOL to "
+                "cover it",
+            )
 
 
 def _time_cpu(fn: Callable[[], Any], n: int) -> float:

@@ -296,3 +296,18 @@ def test_a_reference_that_disagrees_with_itself_is_a_problem_error(tmp_path, cap
     assert wrong.verdict == "incorrect" and not wrong.reason.startswith(PROBLEM_ERROR), wrong.reason
     assert main(["kernels", "eval", "--problem", str(path), "--candidate", str(cand)]) == 2
     assert "not deterministic" in capsys.readouterr().err
+
+
+def test_a_candidate_that_patches_torch_cannot_make_the_reference_look_random():
+    # Found in review: the determinism recheck ran after the candidate, so a wrong candidate that made
+    # torch.relu random got a problem error, which stops the whole search.
+    from steptune.kernels.evaluate import PROBLEM_ERROR
+
+    source = PROBLEM.source.replace("return x * 2.0", "return torch.relu(x)")
+    hijack = GOOD.replace(
+        "class ModelNew",
+        "_orig = torch.relu\ntorch.relu = lambda x: _orig(x) + torch.rand_like(x)\n\n\nclass ModelNew",
+    ).replace("x + x", "x + 1")
+    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
+        res = pool.submit(Problem(name="relu_ref", source=source), hijack).result(60)
+    assert res.verdict == "incorrect" and not res.reason.startswith(PROBLEM_ERROR), res.reason
