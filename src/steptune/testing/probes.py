@@ -86,3 +86,15 @@ def exit_on(rank: int, group: Any, bad_rank: int = 1, code: int = 3) -> list[flo
 def unpicklable_result(rank: int, group: Any) -> Any:
     """Returns what cannot be sent back to the parent (a lambda)."""
     return lambda: rank
+
+
+def raise_then_die(rank: int, group: Any) -> int:
+    """Rank 0 raises at once; rank 1's process dies 0.5 s later (a knock-on abort): the harness must blame
+    rank 0, whose traceback came first, and mention rank 1's death beside it."""
+    import os
+    import time
+
+    if rank == 0:
+        raise ValueError("injected failure on rank 0")
+    time.sleep(0.5)
+    os._exit(6)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 import os
 import pickle
 import queue
@@ -172,11 +173,20 @@ class SpawnPool:
         first_error: tuple[int, str] | None = None
         error_at = 0.0
         all_gone = 0.0  # when every rank still owed an answer was first seen dead
+        dead_at: dict[int, float] = {}  # when each rank was first seen dead without having answered
+        raised_at = math.inf  # when the first traceback arrived
+
+        def look(now: float) -> None:
+            for r in pending:
+                if r not in dead_at and not self._procs[r].is_alive():
+                    dead_at[r] = now
+
         while pending:
             now = time.monotonic()
             if now > deadline or (first_error and now - error_at > 5.0):
                 break
-            if all(not self._procs[r].is_alive() for r in pending):
+            look(now)
+            if all(r in dead_at for r in pending):
                 all_gone = all_gone or now
                 if now - all_gone > 0.5:  # their last answers, if any, have had time to arrive
                     break
@@ -194,15 +204,22 @@ class SpawnPool:
                 out[rank] = value
             elif first_error is None or first_error[0] == -1:
                 first_error, error_at = (rank, value), (error_at if first_error else now)
-        # A rank whose process died without answering (os._exit, a signal, a segfault) is the likelier
-        # culprit: its peers' errors ("Connection closed by peer") come from its death.
-        crashed = sorted(r for r in pending if not self._procs[r].is_alive())
+                raised_at = time.monotonic()
+                look(raised_at)  # a peer already dead when this traceback arrived caused it
+        look(time.monotonic())
+        # A rank whose process died without answering (os._exit, a signal, a segfault) before the first
+        # traceback arrived is the likelier culprit: its peers' errors ("Connection closed by peer") come from
+        # its death. One that died after a traceback is reported beside it.
+        crashed = sorted((dead_at[r], r) for r in pending if r in dead_at)
         if crashed:
-            r = crashed[0]
-            msg = f"process exited with code {self._procs[r].exitcode} without answering"
-            if first_error is not None and first_error[0] >= 0:
-                msg += f"\nthen rank {first_error[0]} failed:\n{first_error[1]}"
-            first_error = (r, msg)
+            when, r = crashed[0]
+            death = f"process exited with code {self._procs[r].exitcode} without answering"
+            if first_error is not None and first_error[0] >= 0 and when > raised_at:
+                first_error = (first_error[0], f"{first_error[1]}\n(then rank {r}'s {death})")
+            elif first_error is not None and first_error[0] >= 0:
+                first_error = (r, f"{death}\nthen rank {first_error[0]} failed:\n{first_error[1]}")
+            else:
+                first_error = (r, death)
         elif first_error == (-1, ""):  # the rank seen dead had answered after all
             first_error = None
         if first_error is not None or pending:

@@ -74,6 +74,14 @@ def test_spawn_blames_the_rank_whose_process_died_not_the_peer_it_left_waiting(p
     assert pool.run(probes.whoami) == [(0, 2), (1, 2)]
 
 
+def test_spawn_keeps_the_first_traceback_when_a_peer_dies_after_it(pool):
+    # Found in review of the blame fix: any dead rank was blamed, even one that died after a peer's error.
+    with pytest.raises(RankFailure, match="injected failure on rank 0") as info:
+        pool.run(probes.raise_then_die)
+    assert info.value.rank == 0 and "then rank 1's process exited with code 6" in str(info.value)
+    assert pool.run(probes.whoami) == [(0, 2), (1, 2)]
+
+
 def test_spawn_says_at_once_what_cannot_be_pickled(pool):
     # Found in review: both cases waited out the whole timeout, then reported ranks that "did not answer".
     t0 = time.monotonic()
