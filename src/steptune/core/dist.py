@@ -16,6 +16,7 @@ import datetime
 import gc
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import threading
 import time
@@ -39,6 +40,7 @@ __all__ = [
     "abort_group",
     "allreduce_grads",
     "as_process_group",
+    "cannot_pickle",
     "connect_store",
     "env_rank",
     "irecv",
@@ -300,3 +302,14 @@ def print0(*args: Any, rank: int | None = None, **kwargs: Any) -> None:
     """``print`` on rank 0 only (rank from the argument, else from the environment)."""
     if (env_rank()[0] if rank is None else rank) == 0:
         print(*args, **kwargs)
+
+
+def cannot_pickle(obj: Any) -> str | None:
+    """Why ``obj`` cannot go to a spawned process or through a multiprocessing queue, or None. Check before
+    ``Queue.put``: the queue pickles in a feeder thread whose failure reaches only stderr, so the receiver
+    would just wait."""
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

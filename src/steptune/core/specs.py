@@ -86,9 +86,7 @@ class LayerSpec:
 
     def flops(self, seq_len: int, phase: Phase | str = Phase.F) -> float:
         """FLOPs of one sequence of ``seq_len`` model tokens through this layer in ``phase``."""
-        if not seq_len >= 0:  # NaN too
-            raise ValueError(f"layer {self.name!r}: seq_len must be >= 0 tokens, got {seq_len!r}")
-        s = seq_len * self.num_tokens_scale
+        s = seq_len * self.num_tokens_scale  # unchecked: the simulators' hot path (ModelSpec.flops checks)
         phase = Phase(phase)
         if phase is Phase.F:
             lin, quad = self.f_flops_per_token, self.f_flops_per_token2

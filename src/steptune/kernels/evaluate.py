@@ -245,7 +245,7 @@ def _validate(
         for trial in range(trials):
             torch.manual_seed(seed + 1000 + trial)
             inputs = [_to(x, device) for x in prob.get_inputs()]
-            pristine = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+            pristine = _clones(inputs)
             cand_in: list[Any] = []
             guards: list[tuple[int, torch.Tensor]] = []
             for i, x in enumerate(inputs):
@@ -273,7 +273,7 @@ def _validate(
                     raise _Verdict("incorrect", f"the candidate mutated input {i}")
             ref_rec = _OpRecorder()
             with ref_rec:
-                ref_in = [x.clone() if isinstance(x, torch.Tensor) else x for x in pristine]
+                ref_in = _clones(pristine)
                 out_r = _call(ref, ref_in, "the reference")
             if ref_ops is None:
                 ref_ops = ref_rec.ops
@@ -320,8 +320,7 @@ def _validate(
                     raise _Verdict("incorrect", f"output {k} has dtype {c.dtype}, expected {r.dtype}")
                 if c.device != r.device:
                     raise _Verdict("incorrect", f"output {k} is on {c.device}, expected {r.device}")
-                atol = problem["atol"] if problem.get("atol") is not None else tolerance(r.dtype)
-                rtol = problem["rtol"] if problem.get("rtol") is not None else tolerance(r.dtype)
+                atol, rtol = _tolerances(problem, r.dtype)
                 if r.is_floating_point():
                     bad_nan = torch.isnan(c) & ~torch.isnan(r)
                     if bool(bad_nan.any()):
@@ -350,6 +349,12 @@ def _validate(
     return {"max_abs_diff": max_diff, "trials": trials, "ref_ops": (ref_ops or [])[:20]}
 
 
+def _tolerances(problem: dict[str, Any], dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol): the problem's ATOL/RTOL (0 means exact), else the dtype's default."""
+    atol, rtol = problem.get("atol"), problem.get("rtol")
+    return (tolerance(dtype) if atol is None else atol, tolerance(dtype) if rtol is None else rtol)
+
+
 def _clones(xs: list[Any]) -> list[Any]:
     return [x.clone() if isinstance(x, torch.Tensor) else x for x in xs]
 
@@ -371,8 +376,7 @@ def _check_reference_stable(problem: dict[str, Any], first: Any, second: Any) ->
         elif x.shape != y.shape or x.dtype != y.dtype:
             same, detail = False, "a different shape or dtype"
         elif x.is_floating_point() or x.is_complex():
-            atol = problem["atol"] if problem.get("atol") is not None else tolerance(x.dtype)
-            rtol = problem["rtol"] if problem.get("rtol") is not None else tolerance(x.dtype)
+            atol, rtol = _tolerances(problem, x.dtype)
             same = torch.allclose(x, y, atol=atol, rtol=rtol, equal_nan=True)
             d = float((x.double() - y.double()).abs().nan_to_num(0.0).max()) if x.numel() else 0.0
             detail = f"max abs diff {d:.3g} (atol {atol:g}, rtol {rtol:g})"
@@ -412,7 +416,7 @@ def _profile(prob: Any, ref: Any, new: Any, job: dict[str, Any], device: str) ->
     seed = int(job["problem"].get("seed", 0))
     torch.manual_seed(seed + 99)
     inputs = [_to(x, device) for x in prob.get_inputs()]
-    ref_in = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    ref_in = _clones(inputs)
     rounds, round_s = int(job.get("rounds", 15)), float(job.get("round_s", 0.005))
 
     def f_ref() -> Any:

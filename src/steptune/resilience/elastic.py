@@ -72,6 +72,7 @@ from torch import nn
 from steptune.core.dist import (
     LOOPBACK,
     LostGroups,
+    cannot_pickle,
     connect_store,
     new_gloo_group,
     pack_grads,
@@ -393,13 +394,12 @@ def launch(
     only."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    try:
-        pickle.dumps((fn, args))
-    except Exception as err:
+    why = cannot_pickle((fn, args))
+    if why:
         raise ValueError(
             f"launch: fn and args must pickle, since the spawned ranks import them by name (make fn a "
-            f"module-level function): {err}"
-        ) from None
+            f"module-level function): {why}"
+        )
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(
             f"node_rank must be in 0..{nnodes - 1} (one per host of nnodes={nnodes}), got {node_rank}"

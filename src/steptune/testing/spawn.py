@@ -14,14 +14,20 @@ import datetime
 import itertools
 import math
 import os
-import pickle
 import queue
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from steptune.core.dist import abort_group, connect_store, master_store, new_gloo_group, start_context
+from steptune.core.dist import (
+    abort_group,
+    cannot_pickle,
+    connect_store,
+    master_store,
+    new_gloo_group,
+    start_context,
+)
 from steptune.testing.threads import RankFailure
 
 __all__ = ["SpawnPool"]
@@ -64,12 +70,9 @@ def _worker(
         task_id, fn, args = task
         try:
             value = fn(rank, group, *args)
-            try:  # Queue.put pickles in a feeder thread, whose error the parent would never see
-                pickle.dumps(value)
-            except Exception as exc:
-                raise TypeError(
-                    f"rank {rank}'s result {type(value).__name__} cannot be sent back: {exc}"
-                ) from exc
+            why = cannot_pickle(value)
+            if why:
+                raise TypeError(f"rank {rank}'s result {type(value).__name__} cannot be sent back: {why}")
             results.put((task_id, rank, True, value))
         except BaseException:
             results.put((task_id, rank, False, traceback.format_exc()))
@@ -157,24 +160,21 @@ class SpawnPool:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self._kill()
             self._start()
-        try:  # Queue.put pickles in a feeder thread: an error there would only show as a timeout
-            pickle.dumps((fn, args))
-        except Exception as exc:
+        why = cannot_pickle((fn, args))  # else only a timeout would show it
+        if why:
             raise TypeError(
                 f"SpawnPool.run({getattr(fn, '__qualname__', fn)!r}, ...): the function and its arguments "
-                f"must pickle (a top-level function of an importable module): {exc}"
-            ) from None
+                f"must pickle (a top-level function of an importable module): {why}"
+            )
         task_id = next(self._task_ids)
         for q in self._tasks:
             q.put((task_id, fn, args))
         out: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
         deadline = time.monotonic() + (timeout or self.timeout)
-        first_error: tuple[int, str] | None = None
-        error_at = 0.0
-        all_gone = 0.0  # when every rank still owed an answer was first seen dead
-        dead_at: dict[int, float] = {}  # when each rank was first seen dead without having answered
-        raised_at = math.inf  # when the first traceback arrived
+        first_error: tuple[int, str] | None = None  # the first traceback, and when it arrived
+        raised_at = math.inf
+        dead_at: dict[int, float] = {}  # when each rank was first seen dead before it answered
 
         def look(now: float) -> None:
             for r in pending:
@@ -183,28 +183,22 @@ class SpawnPool:
 
         while pending:
             now = time.monotonic()
-            if now > deadline or (first_error and now - error_at > 5.0):
-                break
             look(now)
-            if all(r in dead_at for r in pending):
-                all_gone = all_gone or now
-                if now - all_gone > 0.5:  # their last answers, if any, have had time to arrive
-                    break
+            trouble_at = min([raised_at, *dead_at.values()])  # a traceback or a death starts a 5 s grace
+            all_gone = all(r in dead_at for r in pending)  # their last answers get 0.5 s to arrive
+            if now > deadline or now - trouble_at > (0.5 if all_gone else 5.0):
+                break
             try:
                 tid, rank, ok, value = self._results.get(timeout=0.1)
             except queue.Empty:
-                if first_error is None and any(not self._procs[r].is_alive() for r in pending):
-                    error_at = now  # starts the grace period; who is blamed is settled below
-                    first_error = (-1, "")
                 continue
             if tid not in (task_id, -1):
                 continue  # a late reply to an earlier, failed task
             pending.discard(rank)
             if ok:
                 out[rank] = value
-            elif first_error is None or first_error[0] == -1:
-                first_error, error_at = (rank, value), (error_at if first_error else now)
-                raised_at = time.monotonic()
+            elif first_error is None:
+                first_error, raised_at = (rank, value), time.monotonic()
                 look(raised_at)  # a peer already dead when this traceback arrived caused it
         look(time.monotonic())
         # A rank whose process died without answering (os._exit, a signal, a segfault) before the first
@@ -214,14 +208,12 @@ class SpawnPool:
         if crashed:
             when, r = crashed[0]
             death = f"process exited with code {self._procs[r].exitcode} without answering"
-            if first_error is not None and first_error[0] >= 0 and when > raised_at:
-                first_error = (first_error[0], f"{first_error[1]}\n(then rank {r}'s {death})")
-            elif first_error is not None and first_error[0] >= 0:
-                first_error = (r, f"{death}\nthen rank {first_error[0]} failed:\n{first_error[1]}")
-            else:
+            if first_error is None:
                 first_error = (r, death)
-        elif first_error == (-1, ""):  # the rank seen dead had answered after all
-            first_error = None
+            elif when > raised_at:
+                first_error = (first_error[0], f"{first_error[1]}\n(then rank {r}'s {death})")
+            else:
+                first_error = (r, f"{death}\nthen rank {first_error[0]} failed:\n{first_error[1]}")
         if first_error is not None or pending:
             self._kill()
             if first_error is not None:
