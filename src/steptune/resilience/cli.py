@@ -391,10 +391,14 @@ def _run(args: argparse.Namespace) -> int:
             args, ["tp_policy"], "without tp > 1 in --layout" if tp == 1 else "with --compare (it runs both)"
         )
     if args.compare:
+
+        def progress(line: str) -> None:
+            print(f"steptune resilience run --compare: {line}", file=sys.stderr, flush=True)
+
         if tp > 1:
-            res = compare_tensor_parallel(spec)
+            res = compare_tensor_parallel(spec, progress)
         else:
-            res = compare_pipelined(spec) if pp > 1 else compare(spec, args.ranks)
+            res = compare_pipelined(spec, progress) if pp > 1 else compare(spec, args.ranks, progress)
         tput = res["throughput_tokens_per_s"]
         print(f"healthy run: ResiHP false alarms {res['false_alarms']}, fixed 10% threshold "
               f"{res['fixed_threshold_false_alarms']} (step CV {res['healthy_step_cv']:.1%})")  # fmt: skip

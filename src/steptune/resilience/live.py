@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Container, Sequence
+import time
+from collections.abc import Callable, Container, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "proxy_model",
     "reference_losses",
     "report_row",
+    "run_each",
     "run_live",
     "run_spawned",
     "stage_model",
@@ -261,14 +263,33 @@ def summarize(spec: dict[str, Any], ranks: int, runs: dict[str, dict[str, Any]])
     }
 
 
-def compare(spec: dict[str, Any], ranks: int = 4) -> dict[str, Any]:
+def run_each(
+    jobs: dict[str, Callable[[], dict[str, Any]]], progress: Callable[[str], None] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Run ``jobs`` in order; ``progress`` (e.g. a print to stderr) hears when each starts and ends, so a
+    comparison of several minutes is not silent."""
+    runs: dict[str, dict[str, Any]] = {}
+    for i, (name, job) in enumerate(jobs.items(), 1):
+        if progress is not None:
+            progress(f"run {i}/{len(jobs)} ({name}) ...")
+        t0 = time.perf_counter()
+        runs[name] = job()
+        if progress is not None:
+            progress(f"run {i}/{len(jobs)} ({name}) done in {time.perf_counter() - t0:.0f} s")
+    return runs
+
+
+def compare(
+    spec: dict[str, Any], ranks: int = 4, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Healthy, unmitigated and adapted runs of the same seeds; the issue's JSON fields."""
     from steptune.testing.spawn import SpawnPool
 
     with SpawnPool(ranks, timeout=600) as pool:  # one spawn for the three runs
-        runs = {
-            "healthy": run_live({**spec, "faults": [], "link_faults": []}, ranks, pool),
-            "unmitigated": run_live({**spec, "adapt": False}, ranks, pool),
-            "adapted": run_live({**spec, "adapt": True}, ranks, pool),
+        jobs = {
+            "healthy": lambda: run_live({**spec, "faults": [], "link_faults": []}, ranks, pool),
+            "unmitigated": lambda: run_live({**spec, "adapt": False}, ranks, pool),
+            "adapted": lambda: run_live({**spec, "adapt": True}, ranks, pool),
         }
+        runs = run_each(jobs, progress)
     return summarize(spec, ranks, runs)

@@ -36,6 +36,7 @@ from steptune.resilience.live import (
     global_batch,
     link_bandwidth,
     report_row,
+    run_each,
     run_spawned,
     stage_model,
     sum_and_step,
@@ -347,18 +348,19 @@ def run_pipelined(spec: dict[str, Any], pool: Any = None) -> dict[str, Any]:
     return run_spawned(pipelined_rank, spec, int(spec["dp"]) * int(spec["pp"]), pool)
 
 
-def compare_pipelined(spec: dict[str, Any]) -> dict[str, Any]:
+def compare_pipelined(spec: dict[str, Any], progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Healthy, unmitigated and adapted runs of the same seeds: ``live.summarize``'s fields plus the
     adapted run's plan changes and final partitions."""
     from steptune.testing.spawn import SpawnPool
 
     ranks = int(spec["dp"]) * int(spec["pp"])
     with SpawnPool(ranks, timeout=600) as pool:  # one spawn for three runs
-        runs = {
-            "healthy": run_pipelined({**spec, "faults": []}, pool),
-            "unmitigated": run_pipelined({**spec, "adapt": False}, pool),
-            "adapted": run_pipelined({**spec, "adapt": True}, pool),
+        jobs = {
+            "healthy": lambda: run_pipelined({**spec, "faults": []}, pool),
+            "unmitigated": lambda: run_pipelined({**spec, "adapt": False}, pool),
+            "adapted": lambda: run_pipelined({**spec, "adapt": True}, pool),
         }
+        runs = run_each(jobs, progress)
     adapted = runs["adapted"]["reports"]
     return {
         **summarize(spec, ranks, runs),

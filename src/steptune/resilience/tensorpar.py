@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -48,6 +48,7 @@ from steptune.resilience.live import (
     global_batch,
     link_bandwidth,
     report_row,
+    run_each,
     run_spawned,
     stage_model,
     summarize,
@@ -515,7 +516,9 @@ def run_tensor_parallel(spec: dict[str, Any], pool: Any = None) -> dict[str, Any
     return run_spawned(tp_rank, spec, int(spec["dp"]) * int(spec["tp"]), pool)
 
 
-def compare_tensor_parallel(spec: dict[str, Any]) -> dict[str, Any]:
+def compare_tensor_parallel(
+    spec: dict[str, Any], progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Healthy, unmitigated, adapted (ResiHP: exclusion, equal shares) and ``adapted_uneven`` (steptune:
     shares by speed) runs of the same seeds: ``live.summarize``'s fields, each adapted run's plan changes
     and final groups, and ``uneven_vs_resihp`` (the throughput ratio over the same window)."""
@@ -523,12 +526,15 @@ def compare_tensor_parallel(spec: dict[str, Any]) -> dict[str, Any]:
 
     ranks = int(spec["dp"]) * int(spec["tp"])
     with SpawnPool(ranks, timeout=600) as pool:
-        runs = {
-            "healthy": run_tensor_parallel({**spec, "faults": []}, pool),
-            "unmitigated": run_tensor_parallel({**spec, "adapt": False}, pool),
-            "adapted": run_tensor_parallel({**spec, "adapt": True, "tp_policy": "resihp"}, pool),
-            "adapted_uneven": run_tensor_parallel({**spec, "adapt": True, "tp_policy": "uneven"}, pool),
+        jobs = {
+            "healthy": lambda: run_tensor_parallel({**spec, "faults": []}, pool),
+            "unmitigated": lambda: run_tensor_parallel({**spec, "adapt": False}, pool),
+            "adapted": lambda: run_tensor_parallel({**spec, "adapt": True, "tp_policy": "resihp"}, pool),
+            "adapted_uneven": lambda: run_tensor_parallel(
+                {**spec, "adapt": True, "tp_policy": "uneven"}, pool
+            ),
         }
+        runs = run_each(jobs, progress)
     out = summarize(spec, ranks, runs)
     for name in ("adapted", "adapted_uneven"):
         reports = runs[name]["reports"]

@@ -9,7 +9,13 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
 
 def test_detects_rebalances_and_trains_identically():
-    res = compare({"steps": 30, "time_scale": 0.01, "faults": [{"rank": 1, "factor": 1.6, "start": 16}]})
+    heard: list[str] = []
+    spec = {"steps": 30, "time_scale": 0.01, "faults": [{"rank": 1, "factor": 1.6, "start": 16}]}
+    res = compare(spec, progress=heard.append)
+    # `resilience run --compare` ran for minutes in silence; each run now reports its start and end
+    names = [line.split("(")[1].split(")")[0] for line in heard]
+    assert names == ["healthy", "healthy", "unmitigated", "unmitigated", "adapted", "adapted"], heard
+    assert heard[0] == "run 1/3 (healthy) ..." and heard[-1].startswith("run 3/3 (adapted) done in "), heard
     # everything a failure needs to be diagnosed from the CI log alone
     summary = {k: v for k, v in res.items() if k not in ("runs", "losses", "spec")}
     summary["adapted_alarms"] = [(r["step"], r["alarms"]) for r in res["runs"]["adapted"] if r["alarms"]]
