@@ -430,46 +430,69 @@ def _c10d_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> l
 
 # A ``ProcessGroup`` (what init_process_group, new_group and DeviceMesh give) sends its collectives through
 # the dispatcher, where ``_c10d_written`` sees them under any name. A bare backend object (a
-# ``ProcessGroupGloo`` built directly, as steptune's thread-rank groups are) runs them below it: for those,
-# torch.distributed's functions are patched, and a call records its tensors as written only when the
-# dispatcher saw no c10d op during it.
-_DIST_COLLECTIVES = (
-    "all_reduce",
+# ``ProcessGroupGloo`` built directly, as steptune's thread-rank groups are) runs them below it, and every
+# way of calling one (torch.distributed's functions under any name, or the object's own methods) reaches
+# these Python-bound methods of ``Backend``, which are patched. Each writes its first argument: the outputs,
+# or the tensors reduced, broadcast or received in place. A call is recorded only when the dispatcher saw
+# no c10d op during it, and it completes before the call returns (an async collective on a bare backend
+# is synchronous inside a recording block).
+_BACKEND_WRITES = (
+    "_allgather_base",
+    "_reduce_scatter_base",
+    "allgather",
+    "allgather_coalesced",
+    "allgather_into_tensor_coalesced",
+    "allreduce",
+    "allreduce_coalesced",
+    "alltoall",
+    "alltoall_base",
     "broadcast",
-    "reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "scatter",
     "gather",
     "recv",
-    "irecv",
+    "recv_anysource",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor_coalesced",
+    "scatter",
 )
+_WRITTEN_KEYWORDS = ("output", "tensor", "arg0")  # the first argument's names across the methods
 
 
-def _patched_collective(name: str) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
+def _backend_written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    if args:
+        return tree_flatten(args[0])[0]
+    first = next((v for k, v in kwargs.items() if k.startswith(_WRITTEN_KEYWORDS)), None)
+    return tree_flatten(first)[0]
+
+
+def _backend_class() -> Any:
+    return torch._C._distributed_c10d.Backend if torch.distributed.is_available() else None
+
+
+def _patched_backend_method(name: str) -> Callable[..., Any]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         stack = _recorders()
         seen = stack[-1].c10d_ops if stack else 0
-        out = _patch.original(torch.distributed, name)(*args, **kwargs)
+        out = _patch.original(_backend_class(), name)(self, *args, **kwargs)
         if stack and stack[-1].c10d_ops == seen:
-            stack[-1]._opaque_write(name, tree_flatten((args, kwargs))[0])
+            # Gloo finishes some collectives in ``wait`` with ops on this thread (an all-gather copies its
+            # flat result into the outputs there): wait now, so the write is recorded after them.
+            out.wait()
+            stack[-1]._opaque_write(name, _backend_written(args, kwargs))
         return out
 
     return call
 
 
 def _patch_targets() -> list[tuple[Any, str, Any]]:
-    # Function.apply and torch.distributed's functions are process-wide: patched once (refcounted across
-    # threads); each patched call finds the calling thread's recorder, or none.
+    # Function.apply and Backend's methods are process-wide: patched once (refcounted across threads); each
+    # patched call finds the calling thread's recorder, or none.
     function = torch.autograd.function.Function
     targets: list[tuple[Any, str, Any]] = [(function, "apply", classmethod(_patched_apply))]
-    if torch.distributed.is_available():
-        own = vars(torch.distributed)
-        targets += [(torch.distributed, n, _patched_collective(n)) for n in _DIST_COLLECTIVES if n in own]
+    backend = _backend_class()
+    if backend is not None:
+        own = vars(backend)
+        targets += [(backend, n, _patched_backend_method(n)) for n in _BACKEND_WRITES if n in own]
     return targets
 
 
