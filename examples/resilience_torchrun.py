@@ -48,9 +48,16 @@ def main() -> None:
         if problem:
             ap.error("--" + problem.replace("):", ":", 1))
 
+    # The model and its optimizer come before the process group on purpose. Building the first optimizer
+    # imports torch._dynamo, which keeps 10 references to a default group that already exists (torch 2.13),
+    # so destroy_process_group could not free it: its gloo worker threads then outlived the script and,
+    # now and then, freed a tensor during interpreter shutdown and aborted ("terminate called without
+    # an active exception", SIGABRT; pytorch/pytorch#190489). Found with a core dump on 2026-12-05.
+    torch.set_num_threads(1)
+    model = proxy_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, group = dist.get_rank(), dist.group.WORLD
-    torch.set_num_threads(1)
     faults = (
         [SlowFault(rank=args.slow_rank, factor=args.factor, start=args.at)]
         if args.slow_rank is not None
@@ -59,8 +66,6 @@ def main() -> None:
     rt = Runtime(
         group, stage_model("llama3.1-8b"), RuntimeConfig(time_scale=args.time_scale), faults=faults
     )  # <- runtime
-    model = proxy_model(seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     rows = []
     for step in range(args.steps):
         lengths, tokens = global_batch(seed=0, step=step)  # the same global batch on every rank

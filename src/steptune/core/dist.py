@@ -1,7 +1,8 @@
 """Process-group helpers: explicit groups, loopback only, short timeouts, clean teardown.
 
-Nothing here reads or sets the global default process group: every helper returns a group that
-callers pass explicitly (``group=``) to collectives. That is what lets tests run ranks as threads
+Nothing here reads or sets the global default process group, except ``init_default_group`` (for
+torchrun scripts and torch APIs that need one): every helper returns a group that callers pass
+explicitly (``group=``) to collectives. That is what lets tests run ranks as threads
 of one process, each with its own real gloo group.
 
 Contract: the caller that creates a master ``TCPStore`` owns it and keeps it alive until every
@@ -43,6 +44,7 @@ __all__ = [
     "cannot_pickle",
     "connect_store",
     "env_rank",
+    "init_default_group",
     "irecv",
     "isend",
     "master_store",
@@ -135,6 +137,22 @@ def new_gloo_group(
     opts._timeout = timeout
     opts._devices = [gloo.create_device(hostname=host)]
     group: dist.ProcessGroup = gloo(_c10d.PrefixStore(prefix, store), rank, world_size, opts)
+    return group
+
+
+def init_default_group(backend: str = "gloo", **kwargs: Any) -> dist.ProcessGroup:
+    """``torch.distributed.init_process_group(backend, **kwargs)`` with ``torch._dynamo`` imported first;
+    returns ``group.WORLD``.
+
+    Importing ``torch._dynamo`` (building a rank's first optimizer does) after the default group exists
+    leaves it 10 references that ``destroy_process_group`` cannot drop (torch 2.13). The group outlives the
+    script, its gloo worker threads run into interpreter shutdown, and one that frees a tensor there
+    aborts the process ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489).
+    Imported first, it holds none."""
+    import torch._dynamo  # noqa: F401  (see above)
+
+    dist.init_process_group(backend, **kwargs)
+    group: dist.ProcessGroup = dist.group.WORLD  # type: ignore[assignment]
     return group
 
 

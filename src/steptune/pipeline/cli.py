@@ -220,13 +220,15 @@ def _run(args: argparse.Namespace) -> int:
 
         import torch.distributed as dist
 
+        from steptune.core.dist import init_default_group
+
         if int(os.environ["WORLD_SIZE"]) != sched.num_devices:
             raise ValueError(
                 f"torchrun started {os.environ['WORLD_SIZE']} ranks, the schedule needs {sched.num_devices}"
             )
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        group = init_default_group(timeout=datetime.timedelta(seconds=120))
         try:
-            report = rank_main(dist.get_rank(), dist.group.WORLD, *call)
+            report = rank_main(dist.get_rank(), group, *call)
         finally:
             dist.destroy_process_group()
         if int(os.environ.get("RANK", 0)) != 0:

@@ -24,6 +24,7 @@ from steptune.core.dist import (
     abort_group,
     cannot_pickle,
     connect_store,
+    init_default_group,
     master_store,
     new_gloo_group,
     start_context,
@@ -56,8 +57,7 @@ def _worker(
 
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             store = dist.PrefixStore(prefix, connect_store(port))  # type: ignore[attr-defined]
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-            group: Any = dist.group.WORLD
+            group: Any = init_default_group(store=store, rank=rank, world_size=world_size, timeout=timeout)
         else:
             group = new_gloo_group(connect_store(port), rank, world_size, prefix=prefix, timeout=timeout)
     except BaseException:
