@@ -434,14 +434,16 @@ def _c10d_written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> l
 # way of calling one (torch.distributed's functions under any name, or the object's own methods) reaches
 # these Python-bound methods of ``Backend``, which are patched. Each writes its first argument: the outputs,
 # or the tensors reduced, broadcast or received in place. A call is recorded only when the dispatcher saw
-# no c10d op during it, and it completes before the call returns (an async collective on a bare backend
-# is synchronous inside a recording block).
+# no c10d op during it. Gloo finishes many collectives inside ``wait`` with ops on the calling thread (an
+# all-gather copies its flat result into the outputs there), so a collective inside a recording block
+# completes before the call returns and its write is recorded after those copies. A receive is recorded at
+# once, without waiting (gloo writes it from its own thread): waiting there would deadlock a block that
+# posts its receive before its send.
 _BACKEND_WRITES = (
     "_allgather_base",
     "_reduce_scatter_base",
     "allgather",
     "allgather_coalesced",
-    "allgather_into_tensor_coalesced",
     "allreduce",
     "allreduce_coalesced",
     "alltoall",
@@ -452,16 +454,26 @@ _BACKEND_WRITES = (
     "recv_anysource",
     "reduce",
     "reduce_scatter",
-    "reduce_scatter_tensor_coalesced",
     "scatter",
 )
-_WRITTEN_KEYWORDS = ("output", "tensor", "arg0")  # the first argument's names across the methods
+_NO_WAIT = ("recv", "recv_anysource")
+# the first parameter's name in each method's overloads, for a call that passes it by keyword
+_FIRST_NAMES = (
+    "output",
+    "output_tensor",
+    "output_tensors",
+    "outputTensor",
+    "output_lists",
+    "tensors",
+    "tensor",
+    "arg0",
+)
 
 
 def _backend_written(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     if args:
         return tree_flatten(args[0])[0]
-    first = next((v for k, v in kwargs.items() if k.startswith(_WRITTEN_KEYWORDS)), None)
+    first = next((kwargs[k] for k in _FIRST_NAMES if k in kwargs), None)
     return tree_flatten(first)[0]
 
 
@@ -475,9 +487,8 @@ def _patched_backend_method(name: str) -> Callable[..., Any]:
         seen = stack[-1].c10d_ops if stack else 0
         out = _patch.original(_backend_class(), name)(self, *args, **kwargs)
         if stack and stack[-1].c10d_ops == seen:
-            # Gloo finishes some collectives in ``wait`` with ops on this thread (an all-gather copies its
-            # flat result into the outputs there): wait now, so the write is recorded after them.
-            out.wait()
+            if name not in _NO_WAIT:  # see _BACKEND_WRITES
+                out.wait()
             stack[-1]._opaque_write(name, _backend_written(args, kwargs))
         return out
 

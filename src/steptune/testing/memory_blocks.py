@@ -3,6 +3,8 @@ host syncs, side effects), shared by the memory tests."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed import all_reduce as _all_reduce  # bound before TapeSAC is ever applied
@@ -141,8 +143,10 @@ class CollectiveBlock(nn.Module):
     """All-reduces a statistic across the group in forward (as a data-parallel norm would). ``how``: an eager
     collective called as ``dist.all_reduce``, under a name imported before TapeSAC was applied
     (``imported``), as the process group's own method (``method``), or an all-to-all into a new tensor under
-    an imported name (``all_to_all``), or an all-gather into two views of one buffer (``all_gather_views``);
-    ``functional`` uses the functional collective instead."""
+    an imported name (``all_to_all``) or as the group's method (``all_to_all_method``), or an all-gather into
+    two views of one buffer (``all_gather_views``), or a swap with the ring neighbour whose receive is
+    posted before the send (``exchange``, as a halo exchange does); ``functional`` uses the functional
+    collective instead."""
 
     def __init__(self, width: int, group: object = None, functional: bool = False, how: str = "dist") -> None:
         super().__init__()
@@ -167,6 +171,19 @@ class CollectiveBlock(nn.Module):
             out = torch.empty_like(stat)
             _all_to_all_single(out, stat, group=self.group)
             stat = out
+        elif self.how == "all_to_all_method":
+            out = torch.empty_like(stat)
+            self.group.alltoall_base(out, stat, [], []).wait()  # type: ignore[attr-defined]
+            stat = out
+        elif self.how == "exchange":  # every rank posts its receive first: no rank may block in it
+            group: Any = self.group
+            peer_from, peer_to = (group.rank() - 1) % group.size(), (group.rank() + 1) % group.size()
+            got = torch.empty_like(stat)
+            received = group.recv([got], peer_from, 7)
+            sent = group.send([stat], peer_to, 7)
+            received.wait()
+            sent.wait()
+            stat = stat + got
         elif self.how == "all_gather_views":  # one op writes two views of one buffer
             chunks = list(torch.empty(2 * stat.numel()).chunk(2))
             dist.all_gather(chunks, stat, group=self.group)
