@@ -423,7 +423,7 @@ def _run(args: argparse.Namespace) -> int:
               f"{tput['healthy']:.0f}, unmitigated {tput['unmitigated']:.0f}, adapted {tput['adapted']:.0f} "
               f"({tput['adapted'] / tput['healthy'] - 1:+.1%} vs healthy, "
               f"{tput['adapted'] / tput['unmitigated']:.2f}x unmitigated)")  # fmt: skip
-        if faults:
+        if faults or links:
             pred = res["simulated"] = predict_live(res)
             for name in ("workload", "mean_microbatch", "calibrated"):
                 err = pred[name]["error"]
@@ -431,7 +431,8 @@ def _run(args: argparse.Namespace) -> int:
                     f"simulator ({name}) vs measured: " + ", ".join(f"{k} {v:+.1%}" for k, v in err.items())
                 )
             print(f"(workload: this run's own microbatches, nothing fitted; calibrated: + "
-                  f"{pred['calibrated_overhead_s']:.2f} s per step fitted on the healthy run)")  # fmt: skip
+                  f"{pred['calibrated_overhead_s']:.2f} s per step fitted on the healthy run"
+                  + ("; mean_microbatch does not model the slow link" if links else "") + ")")  # fmt: skip
             steps = pred["workload"]["per_step"]
             print("per step (workload): " + ", ".join(
                 f"{k} MAPE {v['mape']:.1%} r={v['corr']:.2f}" for k, v in steps.items()))  # fmt: skip

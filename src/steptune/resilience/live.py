@@ -252,7 +252,7 @@ def summarize(spec: dict[str, Any], ranks: int, runs: dict[str, dict[str, Any]])
         "detection_delay_steps": delay,
         "detected_rank": adapted["reports"][detections[0]]["alarms"][0][0] if detections else None,
         "estimated_slowdown": adapted["reports"][detections[0]]["alarms"][0][1] if detections else None,
-        "throughput_window_from_step": window,
+        "throughput_window_from_step": max(window, skip),  # the first step the throughputs count
         "throughput_tokens_per_s": {
             name: _throughput(run["reports"], max(window, skip)) for name, run in runs.items()
         },

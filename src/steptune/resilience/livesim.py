@@ -9,10 +9,11 @@ fail-slow) and the adapted run (ResiHP with the live planner's settings). Three 
 - ``workload``: every simulated step runs that step's own microbatches (``LiveWorkload``): the live
   run's packed sequence lengths, assigned to replicas by the live job's rule, each block with the
   emulation's lognormal device noise, pipelines as 1F1B over per-microbatch durations, plus the DP job's
-  emulated gradient all-reduce. Policies still plan with the mean microbatch. Nothing is fitted.
+  emulated gradient all-reduce, paced by its slowest link while a link fault (``link_faults``) lasts.
+  Policies still plan with the mean microbatch. Nothing is fitted.
 - ``mean_microbatch``: every microbatch is the mean one (its mean tokens and mean sum of squared
   lengths); steps cost the same. This is the bench's model, and it cannot see load imbalance between
-  replicas or the bubbles that uneven microbatches leave in a pipeline.
+  replicas or the bubbles that uneven microbatches leave in a pipeline. It does not model link faults.
 - ``calibrated``: ``workload`` plus one constant per step (``SimJob.step_overhead_s``), the healthy run's
   measured step minus the simulated one: what the live run pays outside the device model (the
   runtime's gather, the real gloo messages, host overheads of the CPU emulation). It is fitted on the
@@ -134,9 +135,15 @@ class LiveWorkload:
         return self._step(step)[0]
 
     def step_time(
-        self, step: int, plan: ExecutionPlan, truth: tuple[float, ...], speeds: tuple[float, ...]
+        self,
+        step: int,
+        plan: ExecutionPlan,
+        truth: tuple[float, ...],
+        speeds: tuple[float, ...],
+        sync_slowdown: float = 1.0,
     ) -> float:
-        """Seconds of step ``step`` under ``plan`` at ``truth`` speeds, assigned by detected ``speeds``."""
+        """Seconds of step ``step`` under ``plan`` at ``truth`` speeds, assigned by detected ``speeds``; the
+        DP job's gradient all-reduce lasts ``sync_slowdown`` x its healthy time (``link_slowdown``)."""
         _, f, bw, noise = self._step(step)
         cost = (f + bw).sum(axis=1)  # whole-model F+B+W seconds per microbatch
         if self.pp == 1 and self.tp == 1:
@@ -154,7 +161,7 @@ class LiveWorkload:
             (self._replica(plan, r, mine, f, bw, noise, truth) for r, mine in enumerate(assignment) if mine),
             default=0.0,
         )
-        return out + self.sync_s
+        return out + self.sync_s * sync_slowdown
 
     def _replica(
         self,
@@ -201,6 +208,17 @@ class LiveWorkload:
                 out[int(f["rank"])] /= float(f["factor"])
         return tuple(out)
 
+    def link_slowdown(self, step: int) -> float:
+        """How much longer the DP job's ring all-reduce takes at step ``step`` under the spec's link faults:
+        its slowest link's factor, as the live runtime emulates it (``Runtime.comm_timed``)."""
+        per_rank = [1.0] * self.ranks
+        for f in self.spec.get("link_faults") or []:
+            start = int(f["start"])
+            end = start + int(f["duration"]) if f.get("duration") else None
+            if start <= step and (end is None or step < end):
+                per_rank[int(f["rank"])] *= float(f["factor"])
+        return max(per_rank)
+
     def for_policy(self, policy: Policy, *, faulted: bool) -> tuple[Policy, StepTimeOf]:
         """``policy`` wrapped to record the speeds it detects, and the matching ``step_time_of``. With
         ``faulted`` the true speeds follow the spec's faults by step index (the failure events then only
@@ -208,7 +226,10 @@ class LiveWorkload:
         watched = _Watched(policy, adapts=not isinstance(policy, NoOp), devices=self.ranks)
 
         def step_time_of(step: int, plan: ExecutionPlan, truth: tuple[float, ...]) -> float:
-            return self.step_time(step, plan, self.true_speeds(step) if faulted else truth, watched.speeds())
+            if not faulted:
+                return self.step_time(step, plan, truth, watched.speeds())
+            slow = self.link_slowdown(step)
+            return self.step_time(step, plan, self.true_speeds(step), watched.speeds(), slow)
 
         return watched, step_time_of
 
