@@ -51,9 +51,10 @@ class TapeSACConfig:
     save_fn: Callable[[OpNode], bool] | None = None
     """Advanced: decide per recorded node whether its outputs are saved."""
     reuse_tapes: bool = True
-    """Record a block once per signature (shapes, dtypes, training flag, autocast) and reuse the
-    tape while it provably cannot change (no random op, host sync or data-dependent shape); later
-    forwards then run without the dispatch mode. False records every call."""
+    """Record each block's first call per signature (shapes, dtypes, training flag, autocast) and reuse
+    the tape while it provably cannot change (no random op, host sync or data-dependent shape); blocks
+    whose first calls recorded the same tape share one. Later forwards then run without the dispatch
+    mode. False records every call."""
     plan: SavePlan | None = None
     """Which packed values each block signature keeps instead of replaying (from
     :func:`steptune.memory.plan.plan_saves`); blocks it does not name are replay-only."""
@@ -391,9 +392,9 @@ def _run_block(
         )
     # the save policy is part of a template's identity: a tape recorded under another policy (an earlier
     # handle's templates=) must not stand in for this one
-    tkey = (key, keep, frozenset(state.config.save_ops), state.config.save_fn)
+    tkey = state.templates.key(name, (key, keep, frozenset(state.config.save_ops), state.config.save_fn))
     if key is not None and state.config.reuse_tapes:
-        template = state.templates.get(tkey)
+        template = state.templates.usable(name, tkey)
         if template is not None:
             return run_reused(template, Frame(name, stats), block, forward, args, kwargs)
     externals = _external_map(block, args, kwargs)
@@ -441,7 +442,13 @@ def _run_block(
         state.on_record(name, key, tape, recorder)
     if key is not None and state.config.reuse_tapes and not state.templates.seen_ineligible(tkey):
         assert frame.plan is not None
-        state.templates.put(tkey, template_from(tape, frame.plan, keep))
+        # each block's first call under a signature is recorded: it shares the signature's template only
+        # if it recorded the same tape (TemplateCache)
+        if state.templates.get(tkey) is None:
+            state.templates.put(tkey, template_from(tape, frame.plan, keep), name)
+        elif not state.templates.admit(name, tkey, tape):
+            own = state.templates.key(name, tkey)
+            state.templates.put(own, template_from(tape, frame.plan, keep), name)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Tape reuse: record a block once per signature, then run later forwards without the dispatch mode.
+"""Tape reuse: record each block's first call per signature, then run later forwards without the dispatch
+mode; blocks whose first calls recorded the same tape share one template.
 
 Contract: a recorded tape becomes a :class:`Template` only when nothing in it can vary with tensor
 *values* between calls of the same signature: no random op (its generator state is per call), no
@@ -25,7 +26,15 @@ from steptune.memory.frame import Frame, pack_hook, unpack_hook
 from steptune.memory.replay import ReplayPlan
 from steptune.memory.tape import Tape, TapeSACError
 
-__all__ = ["Template", "TemplateCache", "run_reused", "signature", "template_from", "unkeyable_argument"]
+__all__ = [
+    "Template",
+    "TemplateCache",
+    "run_reused",
+    "same_tape",
+    "signature",
+    "template_from",
+    "unkeyable_argument",
+]
 
 _PRIMITIVES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -41,11 +50,22 @@ class Template:
 
 
 class TemplateCache:
-    """Templates by block signature (identical blocks share one); at most ``capacity`` kept."""
+    """Templates by block signature; at most ``capacity`` kept. Identical blocks share one, but a block
+    reuses a template only after its own first call under that signature recorded the same tape
+    (``admit``): a signature covers shapes, not the constants a block keeps in its attributes (GPT-2's
+    ``scale_attn_by_inverse_layer_idx`` scales each layer's attention by its own constant). A block whose
+    tape differs gets a template of its own (``split``)."""
 
     def __init__(self, capacity: int = 64) -> None:
         self.capacity = capacity
         self._items: OrderedDict[Any, Template | None] = OrderedDict()
+        self._users: dict[Any, set[str]] = {}
+        self.split: set[str] = set()
+        """Blocks whose tape differed from their signature's shared template."""
+
+    def key(self, name: str, key: Any) -> Any:
+        """Where block ``name``'s template for ``key`` lives."""
+        return (key, name) if name in self.split else key
 
     def get(self, key: Any) -> Template | None:
         hit = self._items.get(key)
@@ -53,17 +73,68 @@ class TemplateCache:
             self._items.move_to_end(key)
         return hit
 
+    def usable(self, name: str, key: Any) -> Template | None:
+        """The template under ``key`` if block ``name`` has been admitted to it."""
+        template = self.get(key)
+        return template if template is not None and name in self._users.get(key, ()) else None
+
     def seen_ineligible(self, key: Any) -> bool:
         return key in self._items and self._items[key] is None
 
-    def put(self, key: Any, template: Template | None) -> None:
+    def put(self, key: Any, template: Template | None, name: str = "") -> None:
+        """Store ``template`` under ``key``, recorded from block ``name`` (its only user so far)."""
         self._items[key] = template
+        self._users[key] = {name}
         self._items.move_to_end(key)
         while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+            old, _ = self._items.popitem(last=False)
+            self._users.pop(old, None)
+
+    def admit(self, name: str, key: Any, tape: Tape) -> bool:
+        """Block ``name`` recorded ``tape`` under ``key``, where a template already is: share the template
+        if the tapes are the same, else mark the block ``split`` and return False."""
+        template = self._items.get(key)
+        if template is not None and same_tape(template.tape, tape):
+            self._users[key].add(name)
+            return True
+        self.split.add(name)
+        return False
 
     def __len__(self) -> int:
         return sum(1 for t in self._items.values() if t is not None)
+
+
+def same_tape(a: Tape, b: Tape) -> bool:
+    """Whether two recordings ran the same ops with the same constants on the same values: the node
+    sequence (ops, non-tensor arguments, outputs, writes), the slots (shapes, dtypes, producers, the
+    externals by position and name) and what autograd packed."""
+
+    def nodes(t: Tape) -> list[Any]:
+        return [
+            (n.func, n.flat_args, n.spec, n.outs, n.out_versions, n.writes, n.random, n.force_save)
+            for n in t.nodes
+        ]
+
+    def slots(t: Tape) -> list[Any]:
+        return [
+            (
+                s.group,
+                s.producer,
+                s.born,
+                s.shape,
+                s.dtype,
+                None if s.external is None else (s.external.kind, s.external.index, s.external.name),
+            )
+            for s in t.slots
+        ]
+
+    return (
+        a.packs == b.packs
+        and a.pack_meta == b.pack_meta
+        and a.group_writes == b.group_writes
+        and slots(a) == slots(b)
+        and nodes(a) == nodes(b)
+    )
 
 
 def signature(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any | None:

@@ -94,8 +94,11 @@ def test_a_plan_is_reused_across_steps_without_recording(setup):
         model(**batch).loss.backward()
         recorded.append(handle.stats.recorded)
     model.zero_grad(set_to_none=True)
-    # One tape per distinct save set (the last block may keep everything), none after step 1.
-    assert recorded[0] == len({frozenset(v) for v in plan.save_plan(profiles).saves.values()})
+    # Each block's first call is recorded (its tape checked against its signature's template), none after
+    # step 1; one template per distinct save set (the last block may keep everything).
+    assert recorded[0] == 2 and len(handle.templates) == len(
+        {frozenset(v) for v in plan.save_plan(profiles).saves.values()}
+    )
     assert recorded == [recorded[0]] * 3 and handle.stats.forwards == 6
     handle.remove()
 

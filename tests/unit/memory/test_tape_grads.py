@@ -45,8 +45,9 @@ def test_identical_layers_share_one_tape_and_later_steps_skip_the_mode(name):
     for step in range(3):
         grads(model, make_batch(name, seed=step), "no_ac")
     assert handle.stats.forwards == 3 * model.config.num_hidden_layers
-    assert handle.stats.recorded == 1  # one signature, recorded once
-    assert len(handle.templates) == 1
+    # each layer's first call is recorded and checked against the shared tape; later steps record nothing
+    assert handle.stats.recorded == model.config.num_hidden_layers
+    assert len(handle.templates) == 1 and not handle.templates.split
     handle.remove()
 
 
@@ -166,3 +167,61 @@ def test_save_ops_accepts_packets_and_op_objects(ops):
 def test_save_ops_that_would_save_nothing_are_refused(ops, error, match):
     with pytest.raises(error, match=match):
         apply_tapesac_(build_model("qwen3-tiny"), TapeSACConfig(save_ops=ops))
+
+
+class _ScaledBlock(torch.nn.Module):
+    """Identical shapes in every instance, but each scales by its own constant (as GPT-2's attention does
+    with scale_attn_by_inverse_layer_idx)."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.scale = scale
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x) * self.scale))
+
+
+def test_blocks_that_differ_only_in_a_constant_do_not_share_a_tape():
+    # Found by a sweep of 46 HF architectures (2026-12-05): layer 1 reused layer 0's tape, whose replay
+    # multiplied by layer 0's constant: silently wrong gradients (4e-4). Each block's first call is now
+    # recorded and compared with the shared tape.
+    torch.manual_seed(0)
+    # block 0 has a signature of its own (its input needs no gradient); blocks 1-3 share one
+    model = torch.nn.Sequential(*(_ScaledBlock(s) for s in (1.0, 1.0, 0.5, 1.0)))
+    x = torch.randn(4, 16)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = step()
+    handle = apply_tapesac_(model, TapeSACConfig(blocks=[_ScaledBlock]))
+    assert [max_abs_diff(reference, step()) for _ in range(2)] == [0.0, 0.0]  # step 2 reuses the templates
+    assert handle.stats.recorded == 4 and handle.templates.split == {"2"}
+    assert len(handle.templates) == 3  # block 0's, the one blocks 1 and 3 share, and block 2's own
+    handle.remove()
+
+
+def test_gpt2_with_per_layer_attention_scales_matches_no_checkpointing():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(
+        "gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+        scale_attn_by_inverse_layer_idx=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    cfg.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = step()
+    handle = apply_tapesac_(model, TapeSACConfig())
+    assert [max_abs_diff(reference, step()) for _ in range(2)] == [0.0, 0.0]
+    assert handle.stats.replays == 4 and len(handle.templates.split) == 1
+    handle.remove()
