@@ -35,6 +35,7 @@ from torch import nn
 from steptune.comm.accounting import CommMeter, phase
 from steptune.comm.config import TideConfig, TideFallbackWarning
 from steptune.comm.fsdp_group import SENTINEL, GroupState
+from steptune.comm.layout import GroupLayout, ParamSpec
 
 __all__ = ["TideConfig", "TideFallbackWarning", "TideHandle", "enable_tide", "measure"]
 
@@ -307,8 +308,26 @@ def _ineligible(g: Any) -> str | None:
     gathered = {mp.param_dtype or fp.sharded_param.dtype for fp in g.fsdp_params}
     if len(gathered) > 1:  # TIDE gathers a group into one buffer of one dtype
         return f"parameters all-gathered in {len(gathered)} dtypes ({', '.join(sorted(map(str, gathered)))})"
+    if problem := _padding_mismatch(g.fsdp_params, mi.shard_process_group.size()):
+        return problem
     if any(fp.sharded_state != _sharded() for fp in g.fsdp_params):
         raise ValueError(f"group {g._module_fqn}: call enable_tide between steps, with parameters sharded")
+    return None
+
+
+def _padding_mismatch(fsdp_params: list[Any], world_size: int) -> str | None:
+    """TIDE's layout places each parameter's rows as FSDP2 pads them (``torch.chunk`` of dim 0); a torch
+    whose FSDP2 pads otherwise is caught here, before any step, rather than mid-forward."""
+    specs = tuple(ParamSpec(tuple(fp._orig_size)) for fp in fsdp_params)
+    layout = GroupLayout(specs, world_size)
+    for p, fp in enumerate(fsdp_params):
+        if fp.padded_sharded_param_size.numel() != layout.shard_numel(p):
+            name = fp._param_fqn or fp._module_info.param_name
+            return (
+                f"{name}: FSDP2 pads its shard to {fp.padded_sharded_param_size.numel()} elements "
+                f"{tuple(fp.padded_sharded_param_size)}, TIDE's layout to {layout.shard_numel(p)} (this "
+                "torch's FSDP2 shards differently)"
+            )
     return None
 
 

@@ -75,6 +75,7 @@ class GroupState:
             specs = tuple(ParamSpec(tuple(fp._orig_size), fp._param_fqn or "") for fp in self.fsdp_params)
             layout = GroupLayout(specs, group.size(), itemsize, self.config.align_bytes)
             for p, fp in enumerate(self.fsdp_params):
+                # enable_tide checked this (_padding_mismatch): a group that pads otherwise stays on stock
                 if fp.padded_sharded_param_size.numel() != layout.shard_numel(p):  # pragma: no cover
                     raise AssertionError(
                         f"{fp}: FSDP2 pads to {fp.padded_sharded_param_size}, plan says "

@@ -33,6 +33,7 @@ CASES = {
         "self_test_fails",
         "mixed_dtypes",
         "disable_unsharded",
+        "padding_mismatch",
     ),
     4: ("hsdp", "reshard_int", "tensor_parallel"),
 }
@@ -130,6 +131,11 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
         local.fsdp_pre_all_gather = None
     if case == "unsupported_internals":  # as a torch whose FSDP2 internals changed would look
         tide_fsdp._SIGNATURES["foreach_reduce"] = "fsdp_params unsharded_grads something_else"
+    from steptune.comm.layout import GroupLayout
+
+    real_shard_numel = GroupLayout.shard_numel
+    if case == "padding_mismatch":  # as a torch whose FSDP2 pads its shards otherwise would look
+        GroupLayout.shard_numel = lambda self, p: real_shard_numel(self, p) + 1  # type: ignore[method-assign]
     import steptune.comm.selftest as selftest
 
     real_check = selftest._check
@@ -144,6 +150,7 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
         finally:
             tide_fsdp._SIGNATURES.update(saved)
             selftest._check = real_check
+            GroupLayout.shard_numel = real_shard_numel  # type: ignore[method-assign]
             local.__dict__.pop("fsdp_pre_all_gather", None)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, tide)]
         if case == "compiled_autograd":
