@@ -25,7 +25,14 @@ from torch.utils._pytree import tree_flatten
 from steptune.memory.frame import Frame, ReplayStats, pack_hook, unpack_hook
 from steptune.memory.inner import flattened_checkpoints
 from steptune.memory.record import Recorder, _external_key
-from steptune.memory.reuse import TemplateCache, run_reused, signature, template_from, unkeyable_argument
+from steptune.memory.reuse import (
+    TemplateCache,
+    run_reused,
+    seed_casts,
+    signature,
+    template_from,
+    unkeyable_argument,
+)
 from steptune.memory.tape import READS_WRITTEN, ExternalRef, OpNode, Tape, TapeSACError
 
 __all__ = ["SavePlan", "TapeSAC", "TapeSACConfig", "apply_tapesac_", "find_blocks"]
@@ -375,7 +382,10 @@ def _run_block(
     if key is None and state.config.reuse_tapes and not state.warned_unkeyable:
         state.warned_unkeyable = True
         warnings.warn(_unkeyable_message(name, unkeyable_argument(args, kwargs)), stacklevel=3)
-    keep = (plan.saves.get(name) or plan.saves.get(key, frozenset())) if plan is not None else frozenset()
+    if plan is None:
+        keep: frozenset[int] = frozenset()
+    else:  # by name first (the last block, a block whose tape differs from its signature's), even if empty
+        keep = plan.saves[name] if name in plan.saves else plan.saves.get(key, frozenset())
     if (
         plan is not None
         and not state.warned_unplanned
@@ -406,11 +416,13 @@ def _run_block(
     # captured values and block inputs) past the forward, so it reaches the recorder through a box that
     # is emptied once the forward ends.
     box: list[Recorder | None] = [recorder]
+    packed: list[Any] = []  # weak references to this call's packs, for seed_casts (none kept alive)
 
     def pack(t: torch.Tensor) -> Any:
         rec = box[0]
         assert rec is not None, "a TapeSAC pack hook ran after its block's forward ended"
         value = rec.on_pack(t)
+        packed.append(weakref.ref(t._base if t._base is not None else t))
         return pack_hook(frame, value, t, keep=len(rec.packs) - 1 in keep)
 
     recorder.pack_fn = pack
@@ -444,11 +456,16 @@ def _run_block(
         assert frame.plan is not None
         # each block's first call under a signature is recorded: it shares the signature's template only
         # if it recorded the same tape (TemplateCache)
-        if state.templates.get(tkey) is None:
-            state.templates.put(tkey, template_from(tape, frame.plan, keep), name)
+        template = state.templates.get(tkey)
+        if template is None:
+            template = template_from(tape, frame.plan, keep)
+            state.templates.put(tkey, template, name)
         elif not state.templates.admit(name, tkey, tape):
-            own = state.templates.key(name, tkey)
-            state.templates.put(own, template_from(tape, frame.plan, keep), name)
+            template = template_from(tape, frame.plan, keep)
+            state.templates.put(state.templates.key(name, tkey), template, name)
+        if template is not None:
+            seed_casts(block, template, packed)
+    packed.clear()
     return out
 
 

@@ -13,6 +13,7 @@ stale tape. The template holds no tensor.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ __all__ = [
     "TemplateCache",
     "run_reused",
     "same_tape",
+    "seed_casts",
     "signature",
     "template_from",
     "unkeyable_argument",
@@ -47,6 +49,8 @@ class Template:
     """(slot id, kind, arg index, name) for each external the replay reads."""
     keep: frozenset[int] = frozenset()
     """Pack indices whose values are held (the save plan), not replayed."""
+    param_casts: tuple[tuple[int, str], ...] = ()
+    """(pack index, parameter name) of packed values the tape made by casting a parameter (autocast)."""
 
 
 class TemplateCache:
@@ -208,7 +212,55 @@ def template_from(tape: Tape, plan: ReplayPlan, keep: frozenset[int] = frozenset
         pack_meta=tape.pack_meta,
         captured={},
     )
-    return Template(stripped, plan, tuple(dict.fromkeys(externals)), keep)
+    return Template(stripped, plan, tuple(dict.fromkeys(externals)), keep, _param_casts(tape))
+
+
+def _param_casts(tape: Tape) -> tuple[tuple[int, str], ...]:
+    """Packed values that are a parameter's cast, or a view of one (``linear`` packs the cast's ``t()``)."""
+    out = []
+    for i, key in enumerate(tape.packs):
+        producer = tape.slots[key[0]].producer if key is not None else -1
+        while producer >= 0 and getattr(tape.nodes[producer].func, "is_view", False):
+            reads = tape.nodes[producer].reads
+            producer = tape.slots[reads[0][0]].producer if len(reads) == 1 else -1
+        if producer < 0 or tape.nodes[producer].func is not torch.ops.aten._to_copy.default:
+            continue
+        for sid, _ in tape.nodes[producer].reads:
+            ext = tape.slots[sid].external
+            if tape.slots[sid].producer == -1 and ext is not None and ext.kind == "param":
+                out.append((i, ext.name))
+    return tuple(out)
+
+
+# Per block, the parameter casts its last reused forward packed: (pack index) -> (the cast, the parameter's
+# version then). Autocast caches each parameter's cast until its outermost region exits; a region that
+# spans optimizer steps hands a later forward the cast of an older value, which replay (casting the
+# parameter as it is now) would not reproduce.
+_LAST_CASTS: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[Any, int]]] = weakref.WeakKeyDictionary()
+
+
+def seed_casts(block: nn.Module, template: Template, packed: list[Any]) -> None:
+    """Remember the parameter casts that the recorded call packed (``packed``: weak references to its
+    packs' base tensors, in order), so the next reused forward is checked against them too."""
+    seen = _LAST_CASTS.setdefault(block, {})
+    for i, name in template.param_casts:
+        if i < len(packed):
+            seen[i] = (packed[i], _param_or_buffer(block, name)._version)
+
+
+def _check_cast(frame: Frame, block: nn.Module, i: int, name: str, t: torch.Tensor) -> None:
+    param = _param_or_buffer(block, name)
+    cast = t._base if t._base is not None else t  # the cast itself, which autocast's cache keeps
+    seen = _LAST_CASTS.setdefault(block, {})
+    last = seen.get(i)
+    if last is not None and last[0]() is cast and last[1] != param._version:
+        raise TapeSACError(
+            f"TapeSAC block {frame.name!r}: this forward used autocast's cached cast of {name!r} made before "
+            "the parameter last changed (one torch.autocast region spans an optimizer step), so replay "
+            "could not reproduce it. Enter autocast around the forward and loss only, as PyTorch "
+            "recommends, or call torch.clear_autocast_cache() after each optimizer step"
+        )
+    seen[i] = (weakref.ref(cast), param._version)
 
 
 def run_reused(
@@ -234,8 +286,11 @@ def run_reused(
                 f"tape expected {want}; the block's ops depend on more than its input shapes. Set "
                 "TapeSACConfig(reuse_tapes=False) to record every call"
             )
+        if i in casts:
+            _check_cast(frame, block, i, casts[i], t)
         return pack_hook(frame, tape.packs[i], t, keep=i in template.keep)
 
+    casts = dict(template.param_casts)
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack_hook):
         out = forward(*args, **kwargs)
     if count != len(tape.packs):

@@ -6,6 +6,7 @@ import torch
 from steptune.memory import TapeSACConfig, apply_tapesac_
 from steptune.memory.measure import grads, max_abs_diff
 from steptune.memory.models import build_model, make_batch
+from steptune.memory.tape import TapeSACError
 from steptune.testing.memory_blocks import Chain, DenseBlock, DropoutBlock, InplaceViewBlock, OpaqueBlock
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,6 +59,41 @@ def test_bf16_autocast_matches_no_checkpointing_under_the_same_autocast():
         reference = grads(model, batch, "no_ac")
         got = grads(model, batch, "tapesac_replay")
     assert max_abs_diff(reference, got) == 0.0
+
+
+def _autocast_steps(model, batch, handle_config, steps, optimizer_steps):
+    """``steps`` forward+backward passes inside ONE autocast region; SGD after each if ``optimizer_steps``."""
+    handle = apply_tapesac_(model, handle_config) if handle_config is not None else None
+    out = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+            out.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            if optimizer_steps:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p -= 0.1 * p.grad
+    if handle is not None:
+        handle.remove()
+    return out
+
+
+def test_an_autocast_region_spanning_optimizer_steps_is_refused_not_silently_wrong():
+    # Found by a sweep (2026-12-05): autocast caches each weight's bf16 cast until its outermost region
+    # exits, so a region around several steps feeds the next forward the cast of the old weights; a reused
+    # tape replays the cast of the new ones (gradients 0.02-0.1 off, silently). It is now refused.
+    import copy
+
+    base = build_model("llama-tiny")
+    batch = make_batch("llama-tiny")
+    with pytest.raises(TapeSACError, match=r"torch.autocast region spans an optimizer step"):
+        _autocast_steps(copy.deepcopy(base), batch, TapeSACConfig(), 2, optimizer_steps=True)
+    # Several backward passes in one region without a step (gradient accumulation) use valid casts: exact
+    reference = _autocast_steps(copy.deepcopy(base), batch, None, 3, optimizer_steps=False)
+    got = _autocast_steps(copy.deepcopy(base), batch, TapeSACConfig(), 3, optimizer_steps=False)
+    assert [max_abs_diff(a, b) for a, b in zip(reference, got, strict=True)] == [0.0, 0.0, 0.0]
 
 
 def test_dropout_replays_the_same_masks_and_leaves_the_generator_where_it_was():
