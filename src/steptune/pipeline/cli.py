@@ -105,6 +105,7 @@ def _tune(args: argparse.Namespace) -> int:
     table.notes += [
         f"lower bound max(work/P, heaviest unit): {res.lower_bound:.4g} s; tuner {res.seconds:.1f} s, "
         f"{res.num_evaluated} schedules simulated",
+        *(f"not compared: {line}" for line in res.skipped_anchors),
         "assumptions: docs/pipeline.md",
     ]
     table.print()

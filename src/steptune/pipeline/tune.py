@@ -14,6 +14,7 @@ All figures are simulated (see docs/pipeline.md).
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -95,6 +96,8 @@ class TuneResult:
     num_evaluated: int
     history: list[tuple[float, float]] = field(default_factory=list)
     """(seconds since start, best makespan) each time the best improved."""
+    skipped_anchors: list[str] = field(default_factory=list)
+    """Anchors that could not be built for this P and M, each with the reason."""
 
     @property
     def best_anchor(self) -> Candidate | None:
@@ -206,6 +209,7 @@ def tune(
     t_start = time.perf_counter()
     evaluated = 0
     cache: dict[tuple[str, int, tuple[int, ...]], Candidate | None] = {}
+    why_not: dict[tuple[str, int, tuple[int, ...]], str] = {}
 
     def evaluate(
         units: LayerCosts, split: int, recipe: str, make: Maker, partition: tuple[int, ...], tag: str
@@ -221,8 +225,9 @@ def tune(
                 stage_costs(units, partition, link=config.link, overhead=config.overhead),
                 with_spans=False,
             )
-        except (ScheduleError, ValueError):
+        except (ScheduleError, ValueError) as err:
             cache[key] = None
+            why_not[key] = str(err).split("\n")[0]
             return None
         evaluated += 1
         head = f"/head{split}" if split > 1 else ""
@@ -269,6 +274,7 @@ def tune(
                 )
             )
     # Phase 1: every anchor on the unsplit model (none of those systems splits the head).
+    skipped: dict[str, str] = {}
     for split, units, family, _, pname, part in combos:
         if split != 1:
             continue
@@ -278,6 +284,14 @@ def tune(
             if cand is not None:
                 anchors[f"{aname}/{pname}"] = cand
                 seeds.append((cand, f"{aname}/{family}", make, part, units, split))
+            else:
+                skipped.setdefault(aname, why_not.get((f"{aname}/{family}", split, part), "not built"))
+    if not any(split == 1 for split, *_ in combos):
+        skipped["every anchor"] = (
+            f"the unsplit model's {layers.num_layers} layers give fewer stages than {p} devices need, and "
+            "the anchors run unsplit (the tuner splits the head)"
+        )
+    skipped = {k: v for k, v in skipped.items() if not any(n.startswith(k + "/") for n in anchors)}
     # Phase 2: list-scheduler policies, breadth first over the combinations, until half the budget.
     for base in _POLICIES:
         if time.perf_counter() > seed_deadline and base is not _POLICIES[0]:
@@ -298,9 +312,18 @@ def tune(
     feasible = [sd for sd in seeds if sd[0].memory_ok]
     if not feasible:
         cap = "none" if config.memory_cap is None else f"{config.memory_cap:.4g} B"
+        lowest = min((sd[0] for sd in seeds), key=lambda c: max(c.result.peak_memory), default=None)
+        found = ""
+        if lowest is not None:
+            unit = 10.0 ** (math.floor(math.log10(max(lowest.result.peak_memory))) - 3)
+            peak = math.ceil(max(lowest.result.peak_memory) / unit) * unit  # 4 digits, rounded up
+            found = (
+                f"; a cap of {peak:.4g} B would fit {lowest.recipe}, the lowest peak of the {len(seeds)} "
+                "schedules built (the cap-aware list schedules may fit a lower one)"
+            )
+        fewer = "" if m == 1 else ", or fewer microbatches"
         raise ValueError(
-            f"no schedule fits memory_cap={cap} per device; raise the cap, use more devices, "
-            "or fewer microbatches"
+            f"no schedule fits memory_cap={cap} per device{found}; raise the cap, use more devices{fewer}"
         )
     feasible.sort(key=lambda sd: sd[0].makespan)
     best = feasible[0][0]
@@ -393,4 +416,5 @@ def tune(
         seconds=time.perf_counter() - t_start,
         num_evaluated=evaluated,
         history=history,
+        skipped_anchors=[f"{name}: {why}" for name, why in skipped.items()],
     )

@@ -111,8 +111,28 @@ def test_memory_cap_is_respected_and_infeasible_cap_is_explained():
     res = tune(layers, TuneConfig(num_devices=4, num_microbatches=8, memory_cap=cap, time_budget=1.0))
     assert max(res.best.result.peak_memory) <= cap * (1 + 1e-9)
     assert any(not c.memory_ok for c in res.anchors.values())  # GPipe holds every microbatch
-    with pytest.raises(ValueError, match="no schedule fits memory_cap"):
+    with pytest.raises(ValueError, match="no schedule fits memory_cap") as err:
         tune(layers, TuneConfig(num_devices=4, num_microbatches=8, memory_cap=1e6, time_budget=1.0))
+    # the message says what cap would do (found in review: it gave advice only)
+    suggested = float(str(err.value).split("a cap of ")[1].split(" B")[0])
+    res = tune(layers, TuneConfig(num_devices=4, num_microbatches=8, memory_cap=suggested, time_budget=1.0))
+    assert max(res.best.result.peak_memory) <= suggested * (1 + 1e-9)
+    with pytest.raises(ValueError, match=r"use more devices$"):  # one microbatch: no "fewer microbatches"
+        tune(layers, TuneConfig(num_devices=4, num_microbatches=1, memory_cap=1e6, time_budget=1.0))
+
+
+def test_anchors_that_cannot_run_are_named_with_the_reason():
+    # found in review: DualPipeV at M < 2P, and every anchor when P exceeds the layers, left no trace
+    layers = model_layers("gemma-2b")
+    res = tune(layers, TuneConfig(num_devices=4, num_microbatches=2, time_budget=0.5))
+    assert any(s.startswith("dualpipe_v: DualPipeV needs num_microbatches >= 2") for s in res.skipped_anchors)
+    assert not any(name.startswith("dualpipe_v/") for name in res.anchors)
+    res = tune(layers, TuneConfig(num_devices=24, num_microbatches=8, time_budget=0.5))
+    assert not res.anchors and res.skipped_anchors[0].startswith(
+        "every anchor: the unsplit model's 20 layers"
+    )
+    res = tune(layers, TuneConfig(num_devices=4, num_microbatches=8, time_budget=0.5))
+    assert res.skipped_anchors == []
 
 
 def test_head_split_helps_when_the_head_dominates():
