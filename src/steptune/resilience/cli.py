@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -335,6 +336,15 @@ def _parse_inject(spec: str) -> dict[str, Any]:
     return fault
 
 
+def _steps_to_arm(microbatches: int = 16) -> int:
+    """Steps before the runtime judges a rank: the predictor's warm-up samples (every rank's microbatches
+    count), then the detector's baseline of residuals per rank."""
+    from steptune.resilience.detect import ResiHPConfig
+    from steptune.resilience.predict import PredictorConfig
+
+    return math.ceil(PredictorConfig().warmup / microbatches) + ResiHPConfig().warmup
+
+
 def _run(args: argparse.Namespace) -> int:
     from steptune.resilience.live import compare, run_live
     from steptune.resilience.livesim import predict_live
@@ -362,6 +372,16 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--compare measures throughput from step {first} on; --steps {args.steps} leaves nothing to "
                 "measure (80 with a fault at step 20 is the documented setting)"
+            )
+    armed = _steps_to_arm()
+    for f in faults:
+        if f["start"] < armed:
+            print(
+                f"steptune resilience run: warning: --inject at={f['start']} comes before the detector has "
+                f"learned each rank's normal (its first {armed} steps at 16 microbatches per step): the "
+                "slowdown is partly taken as rank "
+                f"{f['rank']}'s normal, so it is found late and underestimated; inject at={armed} or later",
+                file=sys.stderr,
             )
     links = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow-link"]
     faults = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow"]

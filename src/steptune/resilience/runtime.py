@@ -206,6 +206,27 @@ class IterationThreshold:
         return hit
 
 
+_NO_BATCH = (-1.0, -1.0, -1.0)  # no assign() this step (the loop passes end_step(tokens=))
+
+
+def _check_same_batch(step: int, batches: Sequence[tuple[float, ...]]) -> None:
+    """Every rank that called assign() this step must have passed the same global batch: each plans from
+    its own copy, so copies that differ leave microbatches on no rank, or on two (found in a sweep: two
+    microbatches ran nowhere, silently)."""
+    seen = [(r, b) for r, b in enumerate(batches) if b != _NO_BATCH]
+    for r, b in seen[1:]:
+        if b != seen[0][1]:
+
+            def show(x: tuple[float, ...]) -> str:
+                return f"{int(x[0])} microbatches, {int(x[1])} tokens"
+
+            raise ValueError(
+                f"step {step}: rank {r} passed assign() {show(b)}, rank {seen[0][0]} {show(seen[0][1])} "
+                "(or the same counts with other lengths): every rank must pass the step's whole global "
+                "batch, the same lengths in the same order"
+            )
+
+
 def lpt_assign(costs: Sequence[float], speeds: Sequence[float]) -> list[list[int]]:
     """Longest-processing-time-first: each item to the rank whose load (time at its speed) ends first."""
     loads = [0.0] * len(speeds)
@@ -262,6 +283,7 @@ class Runtime:
         self._pending: list[tuple[float, float, float, Any, Any]] = []
         self._pending_comm: list[tuple[float, Any, Any]] = []
         self._tokens = 0
+        self._batch: tuple[float, float, float] = _NO_BATCH  # what assign() saw: checked across ranks
         self._open = False  # a timed() block is running
         self._last = time.perf_counter()
 
@@ -279,6 +301,7 @@ class Runtime:
         for i, mb in enumerate(microbatches):
             _check_lengths(mb, f"microbatch {i}")
         self._tokens = sum(sum(mb) for mb in microbatches)
+        self._batch = (len(microbatches), self._tokens, sum(n * n for mb in microbatches for n in mb))
         return lpt_assign([self.cost(mb) for mb in microbatches], self.speeds)[self.rank]
 
     # -- timing --------------------------------------------------------------------------------------
@@ -437,16 +460,18 @@ class Runtime:
         self._pending, self._pending_comm = [], []
 
     def _gather(self) -> list[list[tuple[float, float, float]]]:
-        counts = torch.tensor([float(len(self._samples))])
-        every = [torch.zeros(1) for _ in range(self.world)]
+        # each rank's sample count, and a digest of the batch its assign() saw (exact in float64)
+        counts = torch.tensor([float(len(self._samples)), *self._batch], dtype=torch.float64)
+        every = [torch.zeros(4, dtype=torch.float64) for _ in range(self.world)]
         self.group.allgather([every], [counts]).wait()
-        width = int(max(c.item() for c in every)) or 1
+        _check_same_batch(self.step, [tuple(map(float, e[1:])) for e in every])
+        width = int(max(c[0].item() for c in every)) or 1
         mine = torch.zeros(width, 3, dtype=torch.float64)
         if self._samples:
             mine[: len(self._samples)] = torch.tensor(self._samples, dtype=torch.float64)
         rows = [torch.zeros(width, 3, dtype=torch.float64) for _ in range(self.world)]
         self.group.allgather([rows], [mine]).wait()
-        return [[tuple(map(float, r)) for r in rows[k][: int(every[k].item())]] for k in range(self.world)]  # type: ignore[misc]
+        return [[tuple(map(float, r)) for r in rows[k][: int(every[k][0].item())]] for k in range(self.world)]  # type: ignore[misc]
 
     def _gather_comm(self) -> tuple[list[float], list[float]] | None:
         """(modelled, observed) seconds of this step's ``comm_timed`` collectives, per rank; None if the
@@ -523,5 +548,6 @@ class Runtime:
         )
         self.reports.append(report)
         self._tokens = 0  # the next step's come from its assign() or end_step(tokens=)
+        self._batch = _NO_BATCH
         self.step += 1
         return report

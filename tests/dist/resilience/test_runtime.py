@@ -32,3 +32,27 @@ def test_detects_rebalances_and_trains_identically():
     np.testing.assert_allclose(res["losses"]["adapted"], res["losses"]["healthy"], rtol=1e-5)
     speeds = res["runs"]["adapted"][-1]["speeds"]
     assert speeds[1] < 0.75 and speeds[0] == speeds[2] == speeds[3] == 1.0, summary
+
+
+def _assign_rank(rank, group, same):
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.runtime import Runtime, RuntimeConfig
+
+    rt = Runtime(group, stage_model("llama3.1-8b"), RuntimeConfig(time_scale=0.001))
+    batch = [[1024], [2048]] if same or rank == 0 else [[1000], [3000]]
+    mine = rt.assign(batch)
+    for i in mine:
+        with rt.timed(batch[i]):
+            pass
+    return mine, rt.end_step().tokens
+
+
+def test_ranks_that_pass_different_batches_are_told_at_end_step():
+    # Found in a sweep (2026-12-05): each rank plans from its own copy of the batch, so copies that differ
+    # left two microbatches on no rank and each rank counting other tokens, silently.
+    from steptune.testing import RankFailure, run_threads
+
+    got = run_threads(_assign_rank, 2, True, timeout=30)
+    assert sorted(i for mine, _ in got for i in mine) == [0, 1] and {t for _, t in got} == {3072}
+    with pytest.raises(RankFailure, match=r"step 0: rank 1 passed assign\(\) 2 microbatches, 4000 tokens"):
+        run_threads(_assign_rank, 2, False, timeout=30)
