@@ -240,12 +240,11 @@ def test_blocks_that_differ_only_in_a_constant_do_not_share_a_tape():
     handle.remove()
 
 
-def test_gpt2_with_per_layer_attention_scales_matches_no_checkpointing():
+def _hf_diffs_under_tapesac(model_type, **config):
+    """Gradient differences of two TapeSAC steps (record, then reuse) against plain training, for a tiny
+    HF model of ``model_type`` (eager attention, no KV cache), and the TapeSAC handle."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.AutoConfig.for_model(
-        "gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
-        scale_attn_by_inverse_layer_idx=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+    cfg = transformers.AutoConfig.for_model(model_type, **config)
     cfg.use_cache = False
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
@@ -258,32 +257,27 @@ def test_gpt2_with_per_layer_attention_scales_matches_no_checkpointing():
 
     reference = step()
     handle = apply_tapesac_(model, TapeSACConfig())
-    assert [max_abs_diff(reference, step()) for _ in range(2)] == [0.0, 0.0]
-    assert handle.stats.replays == 4 and len(handle.templates.split) == 1
+    diffs = [max_abs_diff(reference, step()) for _ in range(2)]
     handle.remove()
+    return diffs, handle
+
+
+def test_gpt2_with_per_layer_attention_scales_matches_no_checkpointing():
+    diffs, handle = _hf_diffs_under_tapesac(
+        "gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+        scale_attn_by_inverse_layer_idx=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    assert diffs == [0.0, 0.0]
+    assert handle.stats.replays == 4 and len(handle.templates.split) == 1
 
 
 def test_hybrid_layers_of_one_class_get_their_own_tapes():
     # SmolLM3 skips rotary embeddings on the layers no_rope_layers marks 0: same class and shapes, other ops.
     # Before 2026-12-05 the second layer reused the first's tape and the first backward raised a
     # TapeSACError asking for reuse_tapes=False; now that layer keeps a tape of its own.
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.AutoConfig.for_model(
+    diffs, handle = _hf_diffs_under_tapesac(
         "smollm3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         vocab_size=128, intermediate_size=128, no_rope_layers=[1, 0], pad_token_id=0, eos_token_id=1,
     )  # fmt: skip
-    cfg.use_cache = False
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    reference = step()
-    handle = apply_tapesac_(model, TapeSACConfig())
-    assert [max_abs_diff(reference, step()) for _ in range(2)] == [0.0, 0.0]
+    assert diffs == [0.0, 0.0]
     assert handle.templates.split == {"model.layers.1"} and handle.stats.recorded == 2
-    handle.remove()
