@@ -459,18 +459,30 @@ class Runtime:
             self._comm.append((seconds, start.elapsed_time(end) / 1e3))
         self._pending, self._pending_comm = [], []
 
+    def _allgather(self, out: list[torch.Tensor], mine: torch.Tensor) -> None:
+        """One of ``end_step``'s all-gathers; a failure says what the runtime needs of the loop."""
+        try:
+            self.group.allgather([out], [mine]).wait()
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"rank {self.rank}, step {self.step}: end_step's all-gather of the step's timings failed "
+                f"({str(err).splitlines()[0][:200]}). Every rank must call end_step() exactly once per step, "
+                "after the same number of steps; a rank that skipped or repeated one, or died, leaves the "
+                "others waiting here until the group's timeout"
+            ) from err
+
     def _gather(self) -> list[list[tuple[float, float, float]]]:
         # each rank's sample count, and a digest of the batch its assign() saw (exact in float64)
         counts = torch.tensor([float(len(self._samples)), *self._batch], dtype=torch.float64)
         every = [torch.zeros(4, dtype=torch.float64) for _ in range(self.world)]
-        self.group.allgather([every], [counts]).wait()
+        self._allgather(every, counts)
         _check_same_batch(self.step, [tuple(map(float, e[1:])) for e in every])
         width = int(max(c[0].item() for c in every)) or 1
         mine = torch.zeros(width, 3, dtype=torch.float64)
         if self._samples:
             mine[: len(self._samples)] = torch.tensor(self._samples, dtype=torch.float64)
         rows = [torch.zeros(width, 3, dtype=torch.float64) for _ in range(self.world)]
-        self.group.allgather([rows], [mine]).wait()
+        self._allgather(rows, mine)
         return [[tuple(map(float, r)) for r in rows[k][: int(every[k][0].item())]] for k in range(self.world)]  # type: ignore[misc]
 
     def _gather_comm(self) -> tuple[list[float], list[float]] | None:
@@ -481,7 +493,7 @@ class Runtime:
         )
         self._comm = []
         rows = [torch.zeros(2, dtype=torch.float64) for _ in range(self.world)]
-        self.group.allgather([rows], [mine]).wait()
+        self._allgather(rows, mine)
         if all(float(r[0]) <= 0 for r in rows):
             return None
         return [float(r[0]) for r in rows], [float(r[1]) for r in rows]

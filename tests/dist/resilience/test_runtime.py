@@ -56,3 +56,26 @@ def test_ranks_that_pass_different_batches_are_told_at_end_step():
     assert sorted(i for mine, _ in got for i in mine) == [0, 1] and {t for _, t in got} == {3072}
     with pytest.raises(RankFailure, match=r"step 0: rank 1 passed assign\(\) 2 microbatches, 4000 tokens"):
         run_threads(_assign_rank, 2, False, timeout=30)
+
+
+def _skip_end_step_rank(rank, group):
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.runtime import Runtime, RuntimeConfig
+
+    rt = Runtime(group, stage_model("llama3.1-8b"), RuntimeConfig(time_scale=0.001))
+    batch = [[1024], [2048]]
+    for step in range(2):
+        for i in rt.assign(batch):
+            with rt.timed(batch[i]):
+                pass
+        if rank == 0 or step == 0:  # rank 1 forgets its second end_step and returns
+            rt.end_step()
+
+
+def test_a_rank_that_skips_end_step_leaves_its_peers_a_message_that_says_so():
+    # Found in a sweep (2026-12-05): the waiting rank failed after the group timeout with gloo's own
+    # "Timed out waiting ... for send operation"
+    from steptune.testing import RankFailure, run_threads
+
+    with pytest.raises(RankFailure, match=r"rank 0, step 1: end_step's all-gather .* exactly once per step"):
+        run_threads(_skip_end_step_rank, 2, timeout=30, group_timeout=2)
