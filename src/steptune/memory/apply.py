@@ -465,7 +465,6 @@ def _run_block(
             state.templates.put(state.templates.key(name, tkey), template, name)
         if template is not None:
             seed_casts(block, template, packed)
-    packed.clear()
     return out
 
 

@@ -214,17 +214,15 @@ def _check_same_batch(step: int, batches: Sequence[tuple[float, ...]]) -> None:
     its own copy, so copies that differ leave microbatches on no rank, or on two (found in a sweep: two
     microbatches ran nowhere, silently)."""
     seen = [(r, b) for r, b in enumerate(batches) if b != _NO_BATCH]
-    for r, b in seen[1:]:
-        if b != seen[0][1]:
-
-            def show(x: tuple[float, ...]) -> str:
-                return f"{int(x[0])} microbatches, {int(x[1])} tokens"
-
-            raise ValueError(
-                f"step {step}: rank {r} passed assign() {show(b)}, rank {seen[0][0]} {show(seen[0][1])} "
-                "(or the same counts with other lengths): every rank must pass the step's whole global "
-                "batch, the same lengths in the same order"
-            )
+    other = next(((r, b) for r, b in seen[1:] if b != seen[0][1]), None)
+    if other is None:
+        return
+    (r, b), (r0, b0) = other, seen[0]
+    raise ValueError(
+        f"step {step}: rank {r} passed assign() {int(b[0])} microbatches, {int(b[1])} tokens, rank {r0} "
+        f"{int(b0[0])} microbatches, {int(b0[1])} tokens (or the same counts with other lengths): every rank "
+        "must pass the step's whole global batch, the same lengths in the same order"
+    )
 
 
 def lpt_assign(costs: Sequence[float], speeds: Sequence[float]) -> list[list[int]]:
