@@ -24,6 +24,7 @@ Errors are (predicted - measured) / measured over the same window of steps as th
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from steptune.resilience.live import allreduce_seconds, global_batch, stage_mode
 from steptune.resilience.plan import ExecutionPlan, ReconfigCosts
 from steptune.resilience.planners import plan_dp
 from steptune.resilience.policies import NoOp, ResiHPPolicy
-from steptune.resilience.runtime import RuntimeConfig, lpt_assign
+from steptune.resilience.runtime import LinkFault, RuntimeConfig, lpt_assign
 from steptune.resilience.sim import (
     Decision,
     FailureEvent,
@@ -211,13 +212,8 @@ class LiveWorkload:
     def link_slowdown(self, step: int) -> float:
         """How much longer the DP job's ring all-reduce takes at step ``step`` under the spec's link faults:
         its slowest link's factor, as the live runtime emulates it (``Runtime.comm_timed``)."""
-        per_rank = [1.0] * self.ranks
-        for f in self.spec.get("link_faults") or []:
-            start = int(f["start"])
-            end = start + int(f["duration"]) if f.get("duration") else None
-            if start <= step and (end is None or step < end):
-                per_rank[int(f["rank"])] *= float(f["factor"])
-        return max(per_rank)
+        faults = [LinkFault(**f) for f in self.spec.get("link_faults") or []]
+        return max(math.prod(f.factor_at(r, step) for f in faults) for r in range(self.ranks))
 
     def for_policy(self, policy: Policy, *, faulted: bool) -> tuple[Policy, StepTimeOf]:
         """``policy`` wrapped to record the speeds it detects, and the matching ``step_time_of``. With
