@@ -32,6 +32,7 @@ def test_tune_writes_schedule_trace_and_gantt(tmp_path, capsys):
     )
     printed = capsys.readouterr().out
     assert "TUNED" in printed and "zb_h1/balanced" in printed
+    assert "MEMORY-BOUND" not in printed and "no anchor fits" not in printed
     for name in ("schedule.csv", "schedule.json", "trace.json", "gantt.png", "comparison.json"):
         assert (out / name).stat().st_size > 0
     # the written schedule simulates again, with the model's costs
@@ -55,6 +56,21 @@ def test_tune_writes_schedule_trace_and_gantt(tmp_path, capsys):
     argv = ["pipeline", "simulate", "--schedule", str(out / "schedule.json"), "--model", "llama2-7b"]
     assert main([*argv, "--out", str(tmp_path / "s2")]) == 2
     assert "tune a schedule for llama2-7b" in capsys.readouterr().err
+
+
+def test_tune_calls_out_a_step_the_memory_cap_sets(tmp_path, capsys):
+    # llama2-70b on 8 H100s: no anchor fits 80 GB, and the schedule that does keeps so few microbatches
+    # in flight that the step is ~5.8x the lower bound; without the cap the tuner reaches ~1.1x
+    argv = ["pipeline", "tune", "--model", "llama2-70b", "--devices", "8", "--microbatches", "16"]
+    argv += ["--time-budget", "1", "--out", str(tmp_path / "t")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "MEMORY-BOUND" in printed and "no anchor fits the 80 GB memory cap" in printed
+    notes = json.loads((tmp_path / "t" / "comparison.json").read_text())
+    assert any("MEMORY-BOUND" in n for n in notes["notes"])
+    assert main([*argv, "--memory-cap", "1000GB"]) == 0
+    printed = capsys.readouterr().out
+    assert "MEMORY-BOUND" not in printed and "no anchor fits" not in printed
 
 
 def test_simulate_a_torch_csv_with_unit_costs(tmp_path, capsys):

@@ -106,6 +106,7 @@ def _tune(args: argparse.Namespace) -> int:
         f"lower bound max(work/P, heaviest unit): {res.lower_bound:.4g} s; tuner {res.seconds:.1f} s, "
         f"{res.num_evaluated} schedules simulated",
         *(f"not compared: {line}" for line in res.skipped_anchors),
+        *_memory_bound_notes(res, cap),
         "assumptions: docs/pipeline.md",
     ]
     table.print()
@@ -114,6 +115,22 @@ def _tune(args: argparse.Namespace) -> int:
     paths += list(table.write(args.out / "comparison"))
     print("wrote: " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _memory_bound_notes(res: Any, cap: float) -> list[str]:
+    """Say so when the memory cap, not the schedule, sets the step time: no anchor fits, or the tuned
+    step is far above the lower bound (few microbatches in flight, so most of the step is bubble)."""
+    best, notes = res.best, []
+    if res.anchors and res.best_anchor is None:
+        notes.append(f"no anchor fits the {cap / 1e9:.4g} GB memory cap; only the tuned schedule does")
+    if best.makespan > 2 * res.lower_bound and best.result.bubble_fraction > 0.5:
+        notes.append(
+            f"MEMORY-BOUND: the tuned step is {best.makespan / res.lower_bound:.1f}x the lower bound and "
+            f"{100 * best.result.bubble_fraction:.0f}% bubble, because the cap leaves room for few "
+            "microbatches in flight; more devices, activation checkpointing (steptune memory) or a "
+            "larger --memory-cap would shorten it"
+        )
+    return notes
 
 
 def _simulate(args: argparse.Namespace) -> int:
