@@ -140,6 +140,7 @@ class GroupState:
         key = tuple(self.index[id(fp)] for fp in fsdp_params)
         if key not in self._rs_layouts:
             specs = tuple(ParamSpec(tuple(fp._orig_size)) for fp in fsdp_params)
+            # Padded for a 2-byte gradient: offsets stay aligned for wider ones (fp32: twice the bytes).
             self._rs_layouts[key] = GroupLayout(specs, world_size, 2, self.config.align_bytes)
         return self._rs_layouts[key]
 
