@@ -37,7 +37,7 @@ from steptune.resilience.live import allreduce_seconds, global_batch, stage_mode
 from steptune.resilience.plan import ExecutionPlan, ReconfigCosts
 from steptune.resilience.planners import plan_dp
 from steptune.resilience.policies import NoOp, ResiHPPolicy
-from steptune.resilience.runtime import LinkFault, RuntimeConfig, lpt_assign
+from steptune.resilience.runtime import LinkFault, RuntimeConfig, SlowFault, lpt_assign
 from steptune.resilience.sim import (
     Decision,
     FailureEvent,
@@ -201,13 +201,8 @@ class LiveWorkload:
     def true_speeds(self, step: int) -> tuple[float, ...]:
         """Device speeds at step ``step`` under the spec's faults, counted in steps as the live runtime
         counts them (``SlowFault``: from ``start`` for ``duration`` steps)."""
-        out = [1.0] * self.ranks
-        for f in self.spec.get("faults") or []:
-            start = int(f["start"])
-            end = start + int(f["duration"]) if f.get("duration") else None
-            if start <= step and (end is None or step < end):
-                out[int(f["rank"])] /= float(f["factor"])
-        return tuple(out)
+        faults = [SlowFault(**f) for f in self.spec.get("faults") or []]
+        return tuple(1.0 / math.prod(f.factor_at(r, step) for f in faults) for r in range(self.ranks))
 
     def link_slowdown(self, step: int) -> float:
         """How much longer the DP job's ring all-reduce takes at step ``step`` under the spec's link faults:
