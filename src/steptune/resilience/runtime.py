@@ -63,6 +63,7 @@ scale 0.02 lasts 1 ms). GPUs time the real collective and have no such floor."""
 
 
 _VALIDATE = 1.25
+_MAX_COMM_GROUPS = 4  # distinct ``comm_timed`` groups one rank may time in one step
 """A probed link counts as slow above 1.25 x both its model and the fastest probe: ResiHP validates only
 slowdowns over 25%."""
 
@@ -206,6 +207,15 @@ class IterationThreshold:
         return hit
 
 
+@dataclass(frozen=True)
+class _CommStep:
+    modelled: list[float]
+    """Per rank: the healthy seconds of the collectives it timed this step."""
+    observed: list[float]
+    units: dict[int, tuple[float, float]]
+    """Per group of ranks: the mean (modelled, observed) seconds over its ranks."""
+
+
 _NO_BATCH = (-1.0, -1.0, -1.0)  # no assign() this step (the loop passes end_step(tokens=))
 
 
@@ -268,7 +278,8 @@ class Runtime:
                 "competing kernel) or emulate"
             )
         self.comm_detector = ResiHPDetector(self.config.detector)
-        self._comm: list[tuple[float, float]] = []  # (modelled healthy seconds, observed seconds)
+        # (modelled healthy seconds, observed seconds, the collective's group: (lowest rank, size))
+        self._comm: list[tuple[float, float, tuple[int, int]]] = []
         self.predictor = WorkloadPredictor(self.config.predictor)
         self.detector = ResiHPDetector(self.config.detector)
         self.threshold = IterationThreshold(self.config.iteration_threshold)
@@ -279,7 +290,7 @@ class Runtime:
         self._samples: list[tuple[float, float, float]] = []  # (N, Q, observed device seconds)
         # CUDA-event spans not read yet: (N, Q, share, start, end) and (modelled seconds, start, end)
         self._pending: list[tuple[float, float, float, Any, Any]] = []
-        self._pending_comm: list[tuple[float, Any, Any]] = []
+        self._pending_comm: list[tuple[float, tuple[int, int], Any, Any]] = []
         self._tokens = 0
         self._batch: tuple[float, float, float] = _NO_BATCH  # what assign() saw: checked across ranks
         self._open = False  # a timed() block is running
@@ -365,13 +376,16 @@ class Runtime:
     def comm_timed(self, seconds: float, ranks: Sequence[int] | None = None) -> Iterator[None]:
         """Time a collective over ``ranks`` (default: the group) whose healthy time is ``seconds`` (the
         cost model: bytes over the link). Emulated, it lasts ``seconds`` x the slowest link among
-        ``ranks`` x noise: a ring or tree is paced by its slowest link. ``end_step`` gives the samples to
-        a detector of their own; an alarm there is validated by ``probe_links``."""
+        ``ranks`` x noise: a ring or tree is paced by its slowest link. ``end_step`` judges each group's
+        collectives apart (a stage's DP all-reduce, another stage's), against a detector of their own, so
+        one slow group is not averaged away among healthy ones; an alarm is validated by ``probe_links``.
+        Every rank of ``ranks`` times it (this rank must be one of them)."""
         cfg = self.config
+        key = self._comm_group(ranks)
         if self._cuda_timing():
             with self._events() as span:
                 yield
-            self._pending_comm.append((seconds, *span))
+            self._pending_comm.append((seconds, key, *span))
             return
         t0 = time.perf_counter()
         yield
@@ -383,7 +397,20 @@ class Runtime:
                 time.sleep(rest)
         observed = (time.perf_counter() - t0) / (cfg.time_scale if cfg.emulate else 1.0)
         if not cfg.emulate or seconds * cfg.time_scale >= _MIN_EMULATED_COMM_S:
-            self._comm.append((seconds, observed))
+            self._comm.append((seconds, observed, key))
+
+    def _comm_group(self, ranks: Sequence[int] | None) -> tuple[int, int]:
+        if ranks is None:
+            return (0, self.world)
+        members = set(ranks)
+        if not members or not all(isinstance(r, int) and 0 <= r < self.world for r in members):
+            raise ValueError(f"comm_timed(ranks={list(ranks)!r}): ranks of the group, in [0, {self.world})")
+        if self.rank not in members:
+            raise ValueError(
+                f"comm_timed(ranks={sorted(members)}) on rank {self.rank}: time a collective on the ranks "
+                "that take part in it (this rank is not one of them)"
+            )
+        return (min(members), len(members))
 
     def probe_links(self, seconds: float) -> list[float]:
         """Validation: every rank sends a probe to its ring successor and times it (``seconds`` healthy;
@@ -452,9 +479,9 @@ class Runtime:
         for n, q, share, start, end in self._pending:
             end.synchronize()
             self._samples.append((n, q, start.elapsed_time(end) / 1e3 / share))
-        for seconds, start, end in self._pending_comm:
+        for seconds, key, start, end in self._pending_comm:
             end.synchronize()
-            self._comm.append((seconds, start.elapsed_time(end) / 1e3))
+            self._comm.append((seconds, start.elapsed_time(end) / 1e3, key))
         self._pending, self._pending_comm = [], []
 
     def _allgather(self, out: list[torch.Tensor], mine: torch.Tensor) -> None:
@@ -483,18 +510,40 @@ class Runtime:
         self._allgather(rows, mine)
         return [[tuple(map(float, r)) for r in rows[k][: int(every[k][0].item())]] for k in range(self.world)]  # type: ignore[misc]
 
-    def _gather_comm(self) -> tuple[list[float], list[float]] | None:
-        """(modelled, observed) seconds of this step's ``comm_timed`` collectives, per rank; None if the
-        loop times none (every rank calls it, so the all-gather matches on all of them)."""
-        mine = torch.tensor(
-            [sum(m for m, _ in self._comm), sum(o for _, o in self._comm)], dtype=torch.float64
-        )
+    def _gather_comm(self) -> _CommStep | None:
+        """This step's ``comm_timed`` collectives, per rank and per group; None if the loop times none
+        (every rank calls it, so the all-gather matches on all of them)."""
+        groups: dict[tuple[int, int], list[float]] = {}
+        for m, o, key in self._comm:
+            acc = groups.setdefault(key, [0.0, 0.0])
+            acc[0] += m
+            acc[1] += o
         self._comm = []
-        rows = [torch.zeros(2, dtype=torch.float64) for _ in range(self.world)]
+        if len(groups) > _MAX_COMM_GROUPS:
+            raise ValueError(
+                f"rank {self.rank}, step {self.step}: comm_timed over {len(groups)} different groups in one "
+                f"step; the runtime judges at most {_MAX_COMM_GROUPS} per rank (time one per group)"
+            )
+        mine = torch.zeros(_MAX_COMM_GROUPS, 4, dtype=torch.float64)  # rows: lowest rank, size, m, o
+        for i, ((low, size), (m, o)) in enumerate(sorted(groups.items())):
+            mine[i] = torch.tensor([low, size, m, o], dtype=torch.float64)
+        rows = [torch.zeros(_MAX_COMM_GROUPS, 4, dtype=torch.float64) for _ in range(self.world)]
         self._allgather(rows, mine)
-        if all(float(r[0]) <= 0 for r in rows):
+        timed = [[(int(g[0]), int(g[1]), float(g[2]), float(g[3])) for g in r if g[1] > 0] for r in rows]
+        if not any(m > 0 for r in timed for _, _, m, _ in r):
             return None
-        return [float(r[0]) for r in rows], [float(r[1]) for r in rows]
+        units: dict[int, list[tuple[float, float]]] = {}
+        for r in timed:
+            for low, size, m, o in r:
+                units.setdefault(low * (self.world + 1) + size, []).append((m, o))
+        return _CommStep(
+            modelled=[sum(m for _, _, m, _ in r) for r in timed],
+            observed=[sum(o for _, _, _, o in r) for r in timed],
+            units={
+                u: (statistics.fmean(m for m, _ in v), statistics.fmean(o for _, o in v))
+                for u, v in units.items()
+            },
+        )
 
     def end_step(self, tokens: int | None = None) -> StepReport:
         """The safe point; ``tokens``: the step's global tokens when ``assign`` was not used."""
@@ -535,13 +584,14 @@ class Runtime:
                         and compute[r] < self.config.detector.recover * predicted[r]
                     ):
                         self.speeds[r] = 1.0
-        if comm is not None:  # the collective is slower than its model on every rank: find the link
-            modelled, observed = comm  # one unit: a collective is paced by its slowest link on every rank
-            hits = self.comm_detector.observe(
-                self.step, {0: statistics.fmean(observed)}, {0: statistics.fmean(modelled)}
+        if comm is not None:  # a group's collective is slower than its model on its ranks: find the link
+            hits = self.comm_detector.observe(  # one unit a group: paced by its slowest link on every rank
+                self.step,
+                {u: o for u, (_, o) in comm.units.items()},
+                {u: m for u, (m, _) in comm.units.items()},
             )
             if hits:
-                probe = max(modelled)  # as long as the collective, so real messaging stays small
+                probe = max(comm.modelled)  # as long as the collective, so real messaging stays small
                 found = self._localize(self.probe_links(probe), probe)
                 if found is not None:
                     alarms.append(found)
@@ -554,7 +604,7 @@ class Runtime:
             alarms=tuple(alarms),
             threshold_alarm=self.threshold.observe(wall),
             speeds=tuple(self.speeds),
-            comm_s=tuple(comm[1]) if comm is not None else (),
+            comm_s=tuple(comm.observed) if comm is not None else (),
         )
         self.reports.append(report)
         self._tokens = 0  # the next step's come from its assign() or end_step(tokens=)

@@ -79,3 +79,38 @@ def test_a_rank_that_skips_end_step_leaves_its_peers_a_message_that_says_so():
 
     with pytest.raises(RankFailure, match=r"rank 0, step 1: end_step's all-gather .* exactly once per step"):
         run_threads(_skip_end_step_rank, 2, timeout=30, group_timeout=2)
+
+
+def _stage_sync_rank(rank, group, factor):
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.runtime import LinkFault, Runtime, RuntimeConfig
+
+    pp = 4  # rank = replica * pp + stage; each stage's DP all-reduce runs over its replicas' ranks
+    rt = Runtime(
+        group,
+        stage_model("llama3.1-8b"),
+        RuntimeConfig(time_scale=0.05),  # 25 ms a collective: thread jitter stays small beside it
+        link_faults=[LinkFault(rank=1, factor=factor, start=14)],
+    )
+    peers = [r for r in range(group.size()) if r % pp == rank % pp]
+    for _ in range(26):
+        with rt.comm_timed(0.5, ranks=peers):
+            pass
+        rt.end_step(tokens=1024)
+    return [(r.step, [(a.unit, a.link) for a in r.alarms], r.comm_s) for r in rt.reports]
+
+
+def test_a_slow_link_in_one_stage_group_is_found_where_the_world_mean_hides_it():
+    # A stage's DP all-reduce through rank 1's slow link (1.4x): 2 of 8 ranks see it, so the mean over the
+    # world is 1.1x, under the detector's 1.15 gate. The runtime judges each group's collectives apart;
+    # when it took one mean over the world (before 2026-12-05), this test found no alarm.
+    from steptune.testing import run_threads
+
+    rows = run_threads(_stage_sync_rank, 8, 1.4, timeout=120)[0]
+    summary = "\n".join(str((s, a, [round(x / 0.5, 2) for x in c])) for s, a, c in rows)
+    late = [c for s, _, c in rows if s >= 16]
+    assert sum(sum(c) for c in late) / (0.5 * 8 * len(late)) < 1.2, summary  # the world mean hides it
+    found = [(s, a) for s, alarms, _ in rows for a in alarms]
+    assert len(found) == 1 and 14 <= found[0][0] <= 18, summary
+    assert found[0][1][0] == 1, summary  # localized to rank 1's link by the ring probes
+    assert not any(a for s, a, _ in rows if s < 14), summary

@@ -64,6 +64,11 @@ def test_link_localization_from_ring_probes():
     assert rt._localize([1.0, 1.02, 0.98, 1.05], 1.0) is None
     with pytest.raises(ValueError, match="factor"):
         Runtime(_Four(), stage_model(), link_faults=[LinkFault(rank=1, factor=0.0, start=0)])
+    # A collective is timed on the ranks that take part in it
+    with pytest.raises(ValueError, match="on rank 0: time a collective on the ranks that take part"):
+        rt.comm_timed(0.1, ranks=[1, 3]).__enter__()
+    with pytest.raises(ValueError, match=r"ranks of the group, in \[0, 4\)"):
+        rt.comm_timed(0.1, ranks=[0, 4]).__enter__()
 
 
 class _One:
