@@ -385,8 +385,11 @@ def _run(args: argparse.Namespace) -> int:
             )
     links = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow-link"]
     faults = [{k: v for k, v in f.items() if k != "kind"} for f in faults if f["kind"] == "slow"]
-    if links and pp * tp > 1:
-        raise ValueError("--inject slow-link is built for the DP layout only (its gradient all-reduce)")
+    if links and tp > 1:
+        raise ValueError(
+            "--inject slow-link is built for the DP and DP x PP layouts (their gradient all-reduces), not "
+            "with tp > 1"
+        )
     if links and args.ranks_per_node is None:
         print(
             "steptune resilience run: warning: every rank is on one node, so the gradient all-reduce runs "
@@ -402,8 +405,12 @@ def _run(args: argparse.Namespace) -> int:
         "time_scale": args.time_scale if args.time_scale is not None else (0.05 if pp * tp > 1 else 0.02),
         "seed": args.seed,
     }
+    if links and dp < 2:
+        raise ValueError("--inject slow-link slows a gradient all-reduce among DP replicas: use dp >= 2")
     if pp > 1:
         spec.update(dp=dp, pp=pp)
+        if links:  # each stage's DP all-reduce over the link, in all three runs of --compare
+            spec.update(stage_sync=True)
     if tp > 1:
         spec.update(dp=dp, tp=tp, tp_policy=args.tp_policy)
     if tp == 1 or args.compare:
@@ -603,7 +610,7 @@ def register(sub: Any) -> None:
         "--inject",
         action="append",
         default=[],
-        help="slow:rank=R,factor=F,at=S[,for=D] (a device) or slow-link:... (rank R's link; DP layout)",
+        help="slow:rank=R,factor=F,at=S[,for=D] (a device) or slow-link:... (rank R's link; DP or DP x PP)",
     )
     run.add_argument("--steps", type=positive_int, default=80, help="training steps (default %(default)s)")
     run.add_argument(

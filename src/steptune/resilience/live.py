@@ -39,6 +39,7 @@ __all__ = [
     "run_live",
     "run_spawned",
     "stage_model",
+    "stage_sync_seconds",
     "sum_and_step",
     "summarize",
 ]
@@ -70,6 +71,17 @@ def allreduce_seconds(spec: dict[str, Any], ranks: int) -> float:
     nbytes = 2.0 * sum(x.params for x in full.layers)
     bw = link_bandwidth(spec.get("cluster", "dgx-h100"), ranks, spec.get("ranks_per_node"))
     return 2.0 * (ranks - 1) / ranks * nbytes / bw
+
+
+def stage_sync_seconds(spec: dict[str, Any], layers: Sequence[int], dp: int, ranks: int) -> float:
+    """Ring all-reduce among a pipeline stage's ``dp`` replicas of the bf16 gradients of ``layers``
+    (indices into the emulated model's layers) over the job's link (``ranks`` in the job)."""
+    if dp < 2:
+        return 0.0
+    full = stage_model(spec.get("model", "llama3.1-8b"), spec.get("cluster", "dgx-h100"))
+    nbytes = 2.0 * sum(full.layers[i].params for i in layers)
+    bw = link_bandwidth(spec.get("cluster", "dgx-h100"), ranks, spec.get("ranks_per_node"))
+    return 2.0 * (dp - 1) / dp * nbytes / bw
 
 
 def run_spawned(fn: Any, spec: dict[str, Any], ranks: int, pool: Any = None) -> dict[str, Any]:

@@ -8,8 +8,9 @@ fail-slow) and the adapted run (ResiHP with the live planner's settings). Three 
 
 - ``workload``: every simulated step runs that step's own microbatches (``LiveWorkload``): the live
   run's packed sequence lengths, assigned to replicas by the live job's rule, each block with the
-  emulation's lognormal device noise, pipelines as 1F1B over per-microbatch durations, plus the DP job's
-  emulated gradient all-reduce, paced by its slowest link while a link fault (``link_faults``) lasts.
+  emulation's lognormal device noise, pipelines as 1F1B over per-microbatch durations, plus the emulated
+  gradient all-reduce (the DP job's; the PP job's per stage with ``stage_sync``), paced by its slowest
+  link while a link fault (``link_faults``) lasts.
   Policies still plan with the mean microbatch. Nothing is fitted.
 - ``mean_microbatch``: every microbatch is the mean one (its mean tokens and mean sum of squared
   lengths); steps cost the same. This is the bench's model, and it cannot see load imbalance between
@@ -33,7 +34,7 @@ import numpy as np
 
 from steptune.pipeline.costs import StageCosts
 from steptune.pipeline.simulate import makespan
-from steptune.resilience.live import allreduce_seconds, global_batch, stage_model
+from steptune.resilience.live import allreduce_seconds, global_batch, stage_model, stage_sync_seconds
 from steptune.resilience.plan import ExecutionPlan, ReconfigCosts
 from steptune.resilience.planners import plan_dp
 from steptune.resilience.policies import NoOp, ResiHPPolicy
@@ -141,10 +142,10 @@ class LiveWorkload:
         plan: ExecutionPlan,
         truth: tuple[float, ...],
         speeds: tuple[float, ...],
-        sync_slowdown: float = 1.0,
+        links: bool = False,
     ) -> float:
-        """Seconds of step ``step`` under ``plan`` at ``truth`` speeds, assigned by detected ``speeds``; the
-        DP job's gradient all-reduce lasts ``sync_slowdown`` x its healthy time (``link_slowdown``)."""
+        """Seconds of step ``step`` under ``plan`` at ``truth`` speeds, assigned by detected ``speeds``;
+        with ``links`` the gradient all-reduce is slowed by the spec's link faults at that step."""
         _, f, bw, noise = self._step(step)
         cost = (f + bw).sum(axis=1)  # whole-model F+B+W seconds per microbatch
         if self.pp == 1 and self.tp == 1:
@@ -162,7 +163,30 @@ class LiveWorkload:
             (self._replica(plan, r, mine, f, bw, noise, truth) for r, mine in enumerate(assignment) if mine),
             default=0.0,
         )
-        return out + self.sync_s * sync_slowdown
+        if self.pp > 1:
+            return out + self._stage_sync_s(plan, step if links else None)
+        return out + self.sync_s * (self.link_slowdown(step) if links else 1.0)
+
+    def _stage_sync_s(self, plan: ExecutionPlan, step: int | None) -> float:
+        """The PP job's gradient all-reduces (``stage_sync``): each stage's among its DP replicas, all of
+        them after the pipeline's last microbatch, so the step waits for the slowest: its bytes (the
+        stage's largest layer share over replicas) times its slowest link (at ``step``, if given)."""
+        if not self.spec.get("stage_sync"):
+            return 0.0
+        from steptune.resilience.pipelined import owned_layers
+
+        dp = self.ranks // self.pp
+        faults = [LinkFault(**f) for f in self.spec.get("link_faults") or []] if step is not None else []
+        worst = 0.0
+        for stage in range(self.pp):
+            peers = [rep * self.pp + stage for rep in range(dp)]
+            secs = max(
+                stage_sync_seconds(self.spec, owned_layers(plan.layer_partition[rep], stage), dp, self.ranks)
+                for rep in range(dp)
+            )
+            slow = max(math.prod(f.factor_at(r, step) for f in faults) for r in peers) if faults else 1.0
+            worst = max(worst, secs * slow)
+        return worst
 
     def _replica(
         self,
@@ -219,8 +243,7 @@ class LiveWorkload:
         def step_time_of(step: int, plan: ExecutionPlan, truth: tuple[float, ...]) -> float:
             if not faulted:
                 return self.step_time(step, plan, truth, watched.speeds())
-            slow = self.link_slowdown(step)
-            return self.step_time(step, plan, self.true_speeds(step), watched.speeds(), slow)
+            return self.step_time(step, plan, self.true_speeds(step), watched.speeds(), links=True)
 
         return watched, step_time_of
 

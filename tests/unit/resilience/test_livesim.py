@@ -133,6 +133,30 @@ def test_a_slow_link_is_predicted_from_the_slowest_link_of_the_ring():
     assert pred["workload"]["per_step"]["unmitigated"]["mape"] < 0.08
 
 
+def test_a_slow_link_in_a_pipeline_slows_only_its_stages_all_reduce():
+    # The stored DP x PP run (MEASURED, emulated time): rank 1's link 3x slow from step 20 slows stage 1's
+    # all-reduce among its replicas (ranks 1 and 3), which the step waits for after the pipeline.
+    from steptune.resilience.live import stage_sync_seconds
+    from steptune.resilience.pipelined import owned_layers
+
+    result = json.loads((RESULTS / "resilience_live_link_pp.json").read_text())
+    spec = result["spec"]
+    assert spec["stage_sync"] and spec["link_faults"] == [{"rank": 1, "factor": 3.0, "start": 20}]
+    wl = LiveWorkload(spec, 4)
+    plan = _plan(dp=2, pp=2)
+    stage = [stage_sync_seconds(spec, owned_layers(plan.layer_partition[0], s), 2, 4) for s in (0, 1)]
+    assert wl._stage_sync_s(plan, None) == pytest.approx(max(stage))
+    assert wl._stage_sync_s(plan, 19) == pytest.approx(max(stage))
+    assert wl._stage_sync_s(plan, 20) == pytest.approx(3 * stage[1])
+    assert wl._stage_sync_s(plan, 20) > 2.5 * wl._stage_sync_s(plan, 19)
+    pred = predict_live(result)
+    assert all(abs(v) < 0.03 for v in pred["calibrated"]["error"].values()), pred["calibrated"]
+    assert all(abs(v) < 0.12 for v in pred["workload"]["error"].values()), pred["workload"]
+    # The live run found it on the right rank: the link alarm, and no device blamed
+    assert result["link_alarms"] and all(a["rank"] == 1 for a in result["link_alarms"])
+    assert result["false_alarms"] == 0 and not any(r["alarms"] for r in result["runs"]["unmitigated"])
+
+
 def test_per_step_prediction_follows_the_measured_steps_and_plots(tmp_path):
     """At time scale 0.1 the workload model follows the batch-to-batch variation of every run (per-step
     MAPE and correlation over the window), and ``plot_live`` draws both."""

@@ -88,7 +88,7 @@ def test_sim_job_for_a_live_spec():
 def _move_rank(rank, group):
     import torch
 
-    from steptune.resilience.pipelined import _layers, _owned, _Stage
+    from steptune.resilience.pipelined import _layers, _Stage, owned_layers
     from steptune.resilience.plan import ExecutionPlan
 
     layers = _layers(0, 4)  # 6 modules, identical on every rank
@@ -100,7 +100,7 @@ def _move_rank(rank, group):
     new = ExecutionPlan(
         version=1, tp_groups=((0,), (1,), (2,)), layer_partition=((3, 2, 1),), microbatches=(1,)
     )
-    me.owned = _owned(old.layer_partition[0], rank)
+    me.owned = owned_layers(old.layer_partition[0], rank)
     for i in range(6):
         for p in layers[i].parameters():
             if i in me.owned:  # a value only the owner has: its rank and layer
@@ -111,7 +111,7 @@ def _move_rank(rank, group):
                 me.poison(i)
     moves = _moves(old, new, pp=3)
     me.move(moves)  # rank 1 gives layer 2 to rank 0 and takes layer 4 from rank 2
-    me.owned = _owned(new.layer_partition[0], rank)
+    me.owned = owned_layers(new.layer_partition[0], rank)
     out = {}
     for i in range(6):
         p = next(layers[i].parameters())

@@ -26,7 +26,7 @@ def test_iteration_threshold_alarms_on_spikes_after_warmup():
     assert th.observe(1.2) is True and th.observe(1.05) is False
 
 
-def test_bad_injection_and_layout_say_what_to_write():
+def test_bad_injection_and_layout_say_what_to_write(capsys):
     from steptune.cli import main
 
     with pytest.raises(SystemExit):
@@ -36,6 +36,11 @@ def test_bad_injection_and_layout_say_what_to_write():
     assert main(["resilience", "run", "--layout", "dp=1,tp=2,pp=2"]) != 0
     assert main(["resilience", "run", "--layout", "dp=2,tp=2", "--ranks", "2"]) != 0
     assert main(["resilience", "run", "--inject", "slow:rank=7,factor=2,at=3"]) != 0
+    link = ["--inject", "slow-link:rank=1,factor=2,at=20", "--ranks-per-node", "1"]
+    assert main(["resilience", "run", "--layout", "dp=2,tp=2", *link]) == 2
+    assert "not with tp > 1" in capsys.readouterr().err
+    assert main(["resilience", "run", "--layout", "dp=1,pp=4", *link]) == 2
+    assert "use dp >= 2" in capsys.readouterr().err
 
 
 def test_link_localization_from_ring_probes():
