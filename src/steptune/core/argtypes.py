@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -118,6 +119,14 @@ def _writable_ancestor(folder: Path, text: str) -> None:
         raise argparse.ArgumentTypeError(f"cannot write {text}: {here} is a file, not a folder")
     if not os.access(here, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: no write permission in {here}")
+    try:  # root passes os.access everywhere, and /proc or a read-only mount refuse files anyway: try one
+        fd, probe = tempfile.mkstemp(dir=here, prefix=".steptune-write-check-")
+    except OSError as err:
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text}: {here} does not take new files ({err.strerror})"
+        ) from err
+    os.close(fd)
+    os.unlink(probe)
 
 
 def warn_ignored(args: argparse.Namespace, dests: Iterable[str], why: str) -> list[str]:

@@ -1,6 +1,7 @@
 """The CLIs' number converters: what they accept, and that a refusal says what the flag needs."""
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,13 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
         output_file(str(afile / "x.json"))
     with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
         output_dir(str(afile))
+    # Found in a sweep (2026-12-05): root passes os.access on /proc, so the whole search ran before the
+    # write failed; a real file is tried now, and nothing is left behind
+    if Path("/proc/self").is_dir():
+        with pytest.raises(argparse.ArgumentTypeError, match="/proc does not take new files"):
+            output_file("/proc/best.py")
+    output_file(str(tmp_path / "x.json"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 def test_options_that_do_not_apply_are_warned_of_only_when_set(capsys):
