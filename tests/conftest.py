@@ -29,6 +29,7 @@ _SERIAL_FILES = {
     "tests/unit/core/test_start_context.py",  # a forkserver
     "tests/unit/kernels/test_adversarial.py",  # sandbox pools ...
     "tests/unit/kernels/test_builtin_problems.py",  # ... and timed kernels
+    "tests/unit/kernels/test_eval_sweep.py",
     "tests/unit/kernels/test_gpu_script.py",
     "tests/unit/kernels/test_llm_trace.py",
     "tests/unit/kernels/test_pool.py",

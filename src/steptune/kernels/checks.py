@@ -13,8 +13,14 @@ exploit, by reading the AST (not by regex, so comments and strings do not trip t
   `eval`, `compile`, `globals`);
 - work on side streams (`torch.cuda.Stream`, `torch.cuda.stream(...)`), which timing on the default stream
   would miss;
-- attribute access by computed name (`getattr(x, name)` with a non-literal name), the usual way around all of
-  the above.
+- attribute access by computed name (`getattr(x, name)` with a non-literal name, `operator.attrgetter`,
+  `vars`), the usual way around all of the above, and the private or dunder attributes that reach torch's
+  internals or the interpreter's (`x._C` under any alias, `_DisableTorchDispatch`, `__dict__`,
+  `__class__`, `__subclasses__`, `__globals__`, ...);
+- rebinding a name in an imported module (`torch.softmax = ...`, `setattr(torch, "relu", f)`): the
+  reference calls the same torch, so a patch changes what the candidate is compared against and timed
+  with (the worker also checks torch's namespaces at run time);
+- running other files (`runpy`): the reference's file is in the worker's folder.
 
 Static checks are the first line only. The worker also checks at run time: the aten ops the candidate
 dispatches (calling the reference's op sequence is rejected), output aliasing, input mutation, guard bytes
@@ -44,6 +50,7 @@ _BANNED_MODULES = {
     "pickle": "can run arbitrary code",
     "asyncio": "starts an event loop",
     "steptune_problem": "reaches the reference module",
+    "runpy": "runs other files (the reference's among them)",
     "steptune_candidate": "reaches the evaluator's module table",
 }
 _BANNED_OS = {
@@ -60,6 +67,7 @@ _BANNED_CALLS = {
     "open": "writes or reads files (a kernel needs neither; C builds go through cext.load_c)",
     "exit": "ends the process before it is judged",
     "quit": "ends the process before it is judged",
+    "vars": "reads a namespace by computed name",
 }
 _BANNED_ATTR_PATHS = {
     "torch._C": "reaches torch internals (can disable the runtime op recorder)",
@@ -71,7 +79,29 @@ _BANNED_ATTR_PATHS = {
     "sys.settrace": "hooks the evaluator",
     "sys.setprofile": "hooks the evaluator",
     "sys.exit": "ends the process before it is judged",
+    "operator.attrgetter": "reads attributes by computed name",
+    "operator.methodcaller": "calls methods by computed name",
 }
+# Attributes no kernel needs, whatever object they are read from: torch internals that can turn the op
+# recorder off (reached through any alias, e.g. torch.nn.functional.torch._C), and the interpreter's
+# introspection (the classic route from any object to every class and module).
+_BANNED_ATTRS = {
+    "_C": "reaches torch internals (can disable the runtime op recorder)",
+    "__dict__": "reads a namespace by computed name",
+    "__class__": "reaches the interpreter's classes",
+    "__base__": "reaches the interpreter's classes",
+    "__bases__": "reaches the interpreter's classes",
+    "__mro__": "reaches the interpreter's classes",
+    "__subclasses__": "reaches the interpreter's classes",
+    "__globals__": "reaches another module's globals",
+    "__code__": "rewrites functions",
+    "__closure__": "reaches another function's state",
+    "__getattribute__": "reads attributes by computed name",
+    "__self__": "reaches a bound method's owner",
+    "__func__": "reaches a bound method's function",
+    "__wrapped__": "reaches a wrapped function",
+}
+_BANNED_ATTR_PARTS = ("TorchDispatch", "TorchFunction", "dispatch_mode")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +169,54 @@ class _Visitor(ast.NodeVisitor):
         base = self.aliases.get(head, head)
         return f"{base}.{rest}" if rest else base
 
+    def _banned_attr(self, name: str, node: ast.AST) -> bool:
+        why = _BANNED_ATTRS.get(name)
+        if why is None and any(part in name for part in _BANNED_ATTR_PARTS):
+            why = "can disable the runtime op recorder"
+        if why is not None:
+            self._add("banned-attribute", node, f"uses the attribute {name}, which {why}")
+        return why is not None
+
+    def _rebinds(self, target: ast.AST, node: ast.AST) -> None:
+        if isinstance(target, ast.Tuple | ast.List):
+            for t in target.elts:
+                self._rebinds(t, node)
+            return
+        if isinstance(target, ast.Starred):
+            self._rebinds(target.value, node)
+            return
+        if not isinstance(target, ast.Attribute):
+            return
+        dotted = _dotted(target)
+        if dotted is not None and dotted.split(".")[0] in self.aliases:
+            self._add(
+                "rebinds-library",
+                node,
+                f"rebinds {self._resolve(dotted)}, which the reference uses too (a patched library changes "
+                "what the candidate is compared against and timed with)",
+            )
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for t in node.targets:
+            self._rebinds(t, node)
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self._rebinds(node.target, node)
+        self.generic_visit(node)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self._rebinds(node.target, node)
+        self.generic_visit(node)
+
+    def visit_Delete(self, node: ast.Delete) -> None:
+        for t in node.targets:
+            self._rebinds(t, node)
+        self.generic_visit(node)
+
     def visit_Attribute(self, node: ast.Attribute) -> None:
+        if self._banned_attr(node.attr, node):
+            return
         dotted = _dotted(node)
         if dotted is not None:
             full = self._resolve(dotted)
@@ -158,12 +235,18 @@ class _Visitor(ast.NodeVisitor):
             name = node.func.id
             if name in _BANNED_CALLS and name not in self.aliases:
                 self._add("banned-call", node, f"calls {name}(), which {_BANNED_CALLS[name]}")
-            if (
-                name in ("getattr", "setattr", "delattr")
-                and len(node.args) >= 2
-                and not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str))
-            ):
-                self._add("computed-attribute", node, f"{name}() with a computed name can bypass checks")
+            if name in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2:
+                key = node.args[1]
+                if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                    self._add("computed-attribute", node, f"{name}() with a computed name can bypass checks")
+                elif not self._banned_attr(key.value, node) and name in ("setattr", "delattr"):
+                    head = _dotted(node.args[0])
+                    if head is not None and head.split(".")[0] in self.aliases:
+                        self._add(
+                            "rebinds-library",
+                            node,
+                            f"{name}() on {self._resolve(head)}.{key.value}, which the reference uses too",
+                        )
         self.generic_visit(node)
 
     def visit_Name(self, node: ast.Name) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -222,8 +223,10 @@ def _optimize(args: argparse.Namespace) -> int:
         out = Path(args.out or f"{problem.name}_best.py")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(c.code)
-        print(f"wrote: {out} (the best kernel; check it with steptune kernels eval --problem {problem.name} "
-              f"--candidate {out})")  # fmt: skip
+        again = shlex.join(
+            ["steptune", "kernels", "eval", "--problem", args.problem, "--candidate", str(out)]
+        )
+        print(f"wrote: {out} (the best kernel; check it with {again})")
         code = 0
     if args.json:
         data = {

@@ -29,11 +29,14 @@ import ast
 import contextlib
 import math
 import os
+import random
 import statistics
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,30 +152,145 @@ def _guards_intact(buf: torch.Tensor, pattern: torch.Tensor) -> bool:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape:
+    if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    # reshape(-1) first: a 0-d tensor cannot be viewed as bytes
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Bitwise for tensors, element by element inside lists, tuples and dicts, == otherwise."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_bits(a, b)
+    if isinstance(a, list | tuple) or isinstance(b, list | tuple):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_same_value(a[k], b[k]) for k in a)
+        )
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == raises or is ambiguous: not provably the same
+        return False
 
 
 def _to(x: Any, device: str) -> Any:
-    return x.to(device) if isinstance(x, torch.Tensor) else x
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, list | tuple):
+        return type(x)(_to(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
 
 
-def _build(
-    problem: dict[str, Any], candidate: str, workdir: Path, device: str, fp_mode: _FPMode
-) -> tuple[Any, Any, Any, float, tuple[int, int]]:
+def _clone(x: Any) -> Any:
+    """A deep copy of tensors, also inside lists, tuples and dicts (a list input shared between the
+    candidate's copy and the reference's let a candidate change what the reference saw)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, list | tuple):
+        return type(x)(_clone(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    return x
+
+
+def _clones(xs: list[Any]) -> list[Any]:
+    return [_clone(x) for x in xs]
+
+
+def _seed_all(seed: int) -> None:
+    """Seed every RNG a problem's get_inputs may draw from: torch's, Python's and numpy's."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+
+
+_WATCHED = ("torch", "torch.nn", "torch.nn.functional", "torch.linalg", "torch.fft", "torch.special")
+
+
+class _Namespaces:
+    """What the names in torch's public namespaces (and Tensor's and Module's methods) are bound to,
+    taken before the candidate is imported. A candidate that rebinds one (``torch.softmax = ...``) changes
+    what the reference and its timing run: rejected. Names added later (lazy submodules) are ignored."""
+
+    def __init__(self) -> None:
+        spaces = [vars(sys.modules[m]) for m in _WATCHED if m in sys.modules]
+        spaces += [vars(torch.Tensor), vars(torch.nn.Module)]
+        self._spaces = [(space, {k: id(v) for k, v in space.items()}) for space in spaces]
+        self._names = [*(m for m in _WATCHED), "torch.Tensor", "torch.nn.Module"]
+
+    def check(self, when: str) -> None:
+        for (space, ids), where in zip(self._spaces, self._names, strict=False):
+            for name, ident in ids.items():
+                if id(space.get(name, _MISSING)) != ident:
+                    raise _Verdict(
+                        "rejected",
+                        f"{when} rebinds {where}.{name}, which the reference and the timing use too: a "
+                        "kernel may not patch torch",
+                    )
+
+
+_MISSING = object()
+
+
+@dataclass
+class _Prepared:
+    """Everything computed before the candidate is imported: no candidate code can change it."""
+
+    prob: Any
+    ref: Any
+    init: list[Any]
+    trials: list[tuple[list[Any], Any]]
+    """Per validation trial: (pristine inputs, the reference's output on a copy of them)."""
+    ref_ops: list[str]
+    """The reference's compute ops in trial 0."""
+    profile: tuple[list[Any], Any] | None
+    """The profiling draw and the reference's output on it."""
+    namespaces: _Namespaces
+
+
+def _prepare(problem: dict[str, Any], workdir: Path, device: str, trials: int, profile: bool) -> _Prepared:
+    """Import the problem and run the reference on every draw of inputs the evaluation will use. Any
+    failure here is the problem's, not the candidate's: a problem error."""
     seed = int(problem.get("seed", 0))
     try:  # the problem's own failures are not the candidate's: they say so (the CLI makes them usage errors)
         prob = import_source(problem["source"], workdir / "problem.py", "steptune_problem")
-        torch.manual_seed(seed)
+        _seed_all(seed)
         init = prob.get_init_inputs()
         ref = prob.Model(*init).to(device).eval()
         with torch.no_grad():  # warm the reference (lazy thread pools) before counting threads
-            drawn = [_to(x, device) for x in prob.get_inputs()]
+            drawn = _to(list(_draw(prob, "the warm-up draw")), device)
             first = _call(ref, _clones(drawn), "the reference")
-            # ... and check it is deterministic, before any candidate code runs in this process (a
-            # candidate could patch torch and make the reference look random)
+            # ... and check it is deterministic, before any candidate code runs in this process
             _check_reference_stable(problem, first, _call(ref, _clones(drawn), "the reference"))
+            cases, ops = [], []
+            for trial in range(trials):
+                _seed_all(seed + 1000 + trial)
+                inputs = _to(list(_draw(prob, f"trial {trial}'s draw")), device)
+                rec = _OpRecorder()
+                with rec:
+                    out = _call(ref, _clones(inputs), f"the reference (trial {trial})")
+                ops = ops or rec.ops
+                cases.append((inputs, out))
+            timed = None
+            if profile:
+                _seed_all(seed + 99)
+                inputs = _to(list(_draw(prob, "the profiling draw")), device)
+                timed = (inputs, _call(ref, _clones(inputs), "the reference (profiling draw)"))
     except MemoryError:
         raise
     except _Verdict as v:
@@ -181,6 +299,21 @@ def _build(
         raise _Verdict(
             "crashed", f"{PROBLEM_ERROR}building the reference raised {type(exc).__name__}: {exc}"
         ) from exc
+    return _Prepared(prob, ref, init, cases, ops, timed, _Namespaces())
+
+
+def _draw(prob: Any, what: str) -> list[Any]:
+    try:
+        return list(prob.get_inputs())
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise _Verdict("crashed", f"get_inputs() raised {type(exc).__name__} in {what}: {exc}") from exc
+
+
+def _build(
+    problem: dict[str, Any], candidate: str, workdir: Path, device: str, fp_mode: _FPMode, prep: _Prepared
+) -> tuple[Any, float, tuple[int, int]]:
     # The thread baseline is taken before the candidate is imported: a library constructor that starts a
     # thread at load time must not hide in it.
     baseline = (threading.active_count(), len(os.listdir("/proc/self/task")))
@@ -197,16 +330,18 @@ def _build(
         raise _Verdict("compile_error", f"{kind}: {str(exc)[-1500:]}") from exc
     compile_s = time.perf_counter() - t0
     fp_mode.check_and_restore("importing the candidate")
+    prep.namespaces.check("importing the candidate")
     if not hasattr(cand, "ModelNew"):
         raise _Verdict("compile_error", "the candidate defines no ModelNew class")
-    torch.manual_seed(seed)  # the same parameters as the reference, whatever the warm-up drew
+    torch.manual_seed(int(problem.get("seed", 0)))  # the same parameters as the reference
     try:
-        new = cand.ModelNew(*init).to(device).eval()
+        new = cand.ModelNew(*prep.init).to(device).eval()
     except MemoryError:
         raise
     except Exception as exc:
         raise _Verdict("crashed", f"ModelNew(...) raised {type(exc).__name__}: {exc}") from exc
-    return prob, ref, new, compile_s, baseline
+    prep.namespaces.check("ModelNew(...)")
+    return new, compile_s, baseline
 
 
 def _call(fn: Callable[..., Any], args: list[Any], what: str) -> Any:
@@ -217,48 +352,48 @@ def _call(fn: Callable[..., Any], args: list[Any], what: str) -> Any:
     except Exception as exc:
         if "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower():
             raise _Verdict("resource_limit", f"{what} ran out of memory: {str(exc)[:300]}") from exc
-        tb = traceback.format_exc(limit=4)[-1200:]
+        tb = traceback.format_exc(limit=-5)[-1500:]  # the innermost frames: where it raised
         raise _Verdict("crashed", f"{what} raised {type(exc).__name__}: {exc}\n{tb}") from exc
 
 
 def _validate(
-    prob: Any,
-    ref: Any,
     new: Any,
+    prep: _Prepared,
     problem: dict[str, Any],
-    trials: int,
     device: str,
     fp_mode: _FPMode,
     baseline: tuple[int, int],
 ) -> dict[str, Any]:
     seed = int(problem.get("seed", 0))
     forbidden = problem.get("forbidden_ops")
-    outs_alive: list[torch.Tensor] = []  # earlier outputs, kept alive so no new tensor can reuse their memory
-    ref_ptrs: set[int] = set()
+    # Every output seen, kept alive so no new tensor can reuse their memory; the reference's are all known
+    # before the candidate runs, so none of them can be handed back as the candidate's.
+    outs_alive: list[torch.Tensor] = [t for _, out in prep.trials for t in _outputs(out) if _is_data(t)]
+    if prep.profile is not None:
+        outs_alive += [t for t in _outputs(prep.profile[1]) if _is_data(t)]
+    ref_ptrs = {t.untyped_storage().data_ptr() for t in outs_alive}
     cand_ptrs: set[int] = set()
-    ref_ops: list[str] | None = None
+    ref_ops = prep.ref_ops
     max_diff = 0.0
     gen = torch.Generator().manual_seed(seed ^ 0x5EED)
     pattern = torch.randint(0, 256, (_GUARD_BYTES,), dtype=torch.uint8, generator=gen).to(device)
     with torch.no_grad():
         base_threads, base_tasks = baseline
-        for trial in range(trials):
-            torch.manual_seed(seed + 1000 + trial)
-            inputs = [_to(x, device) for x in prob.get_inputs()]
-            pristine = _clones(inputs)
+        for trial, (pristine, out_r) in enumerate(prep.trials):
             cand_in: list[Any] = []
             guards: list[tuple[int, torch.Tensor]] = []
-            for i, x in enumerate(inputs):
+            for i, x in enumerate(pristine):
                 if isinstance(x, torch.Tensor) and x.is_contiguous() and x.numel() > 0:
                     view, buf = _guarded(x, pattern)
                     cand_in.append(view)
                     guards.append((i, buf))
                 else:
-                    cand_in.append(x.clone() if isinstance(x, torch.Tensor) else x)
+                    cand_in.append(_clone(x))
             rec = _OpRecorder()
             with rec:
                 out_c = _call(new, cand_in, "the candidate")
             fp_mode.check_and_restore("the candidate")
+            prep.namespaces.check("the candidate")
             if device == "cuda":
                 torch.cuda.synchronize()
             for i, buf in guards:
@@ -269,14 +404,8 @@ def _validate(
                 _KEEP_ALIVE.append((cand_in, guards, out_c))
                 raise _Verdict("rejected", "the candidate left threads running")
             for i, (x, p) in enumerate(zip(cand_in, pristine, strict=True)):
-                if isinstance(x, torch.Tensor) and not _same_bits(x, p):
+                if not _same_value(x, p):
                     raise _Verdict("incorrect", f"the candidate mutated input {i}")
-            ref_rec = _OpRecorder()
-            with ref_rec:
-                ref_in = _clones(pristine)
-                out_r = _call(ref, ref_in, "the reference")
-            if ref_ops is None:
-                ref_ops = ref_rec.ops
             hit = sorted({op for op in rec.ops if forbidden and op in forbidden})
             if hit:
                 raise _Verdict("rejected", f"the candidate calls forbidden op(s) {', '.join(hit)}")
@@ -286,77 +415,103 @@ def _validate(
                     f"the candidate replays the reference's own ops ({' -> '.join(ref_ops[:6])}"
                     f"{' ...' if len(ref_ops) > 6 else ''}) instead of implementing them",
                 )
-            if isinstance(out_c, tuple | list) != isinstance(out_r, tuple | list):
-                what = {True: "a sequence of outputs", False: "a single output"}
-                raise _Verdict(
-                    "incorrect",
-                    f"returns {what[isinstance(out_c, tuple | list)]} ({type(out_c).__name__}) where the "
-                    f"reference returns {what[isinstance(out_r, tuple | list)]} ({type(out_r).__name__}): "
-                    "a drop-in replacement must return the same structure",
-                )
-            outs_c, outs_r = _outputs(out_c), _outputs(out_r)
-            if len(outs_c) != len(outs_r):
-                raise _Verdict("incorrect", f"returned {len(outs_c)} outputs, the reference {len(outs_r)}")
-            for k, (c, r) in enumerate(zip(outs_c, outs_r, strict=True)):
-                if not isinstance(r, torch.Tensor):
-                    if c != r:
-                        raise _Verdict("incorrect", f"output {k} is {c!r}, the reference gives {r!r}")
+            for k, c in enumerate(_outputs(out_c)):
+                if not _is_data(c):
                     continue
-                if not isinstance(c, torch.Tensor):
-                    raise _Verdict("incorrect", f"output {k} is a {type(c).__name__}, not a tensor")
                 ptr = c.untyped_storage().data_ptr()
                 if ptr in ref_ptrs:
-                    raise _Verdict("rejected", f"output {k} is the reference's output from an earlier trial")
+                    raise _Verdict("rejected", f"output {k} is one of the reference's outputs")
                 if ptr in cand_ptrs:
                     raise _Verdict(
                         "rejected",
                         f"output {k} is its own output from an earlier trial (outputs must be fresh)",
                     )
-                if c.shape != r.shape:
-                    raise _Verdict(
-                        "incorrect", f"output {k} has shape {tuple(c.shape)}, not {tuple(r.shape)}"
-                    )
-                if c.dtype != r.dtype:
-                    raise _Verdict("incorrect", f"output {k} has dtype {c.dtype}, expected {r.dtype}")
-                if c.device != r.device:
-                    raise _Verdict("incorrect", f"output {k} is on {c.device}, expected {r.device}")
-                atol, rtol = _tolerances(problem, r.dtype)
-                if r.is_floating_point():
-                    bad_nan = torch.isnan(c) & ~torch.isnan(r)
-                    if bool(bad_nan.any()):
-                        raise _Verdict(
-                            "incorrect",
-                            f"output {k} has {int(bad_nan.sum())} NaN where the reference has none",
-                        )
-                    diff = (c.double() - r.double()).abs()
-                    diff = diff[~(torch.isnan(c) & torch.isnan(r))]
-                    d = float(diff.max()) if diff.numel() else 0.0
-                    max_diff = max(max_diff, d)
-                    if not torch.allclose(c, r, atol=atol, rtol=rtol, equal_nan=True):
-                        raise _Verdict(
-                            "incorrect",
-                            f"output {k} differs from the reference in trial {trial}: max abs diff {d:.3g} "
-                            f"(atol {atol:g}, rtol {rtol:g})",
-                            max_abs_diff=d,
-                        )
-                elif not torch.equal(c, r):
-                    raise _Verdict("incorrect", f"output {k} differs from the reference in trial {trial}")
-            for outs, ptrs in ((outs_r, ref_ptrs), (outs_c, cand_ptrs)):
-                for t in outs:
-                    if isinstance(t, torch.Tensor) and t.numel():
-                        outs_alive.append(t)
-                        ptrs.add(t.untyped_storage().data_ptr())
-    return {"max_abs_diff": max_diff, "trials": trials, "ref_ops": (ref_ops or [])[:20]}
+            max_diff = max(max_diff, _compare(out_c, out_r, problem, f"trial {trial}"))
+            for t in _outputs(out_c):
+                if _is_data(t):
+                    outs_alive.append(t)
+                    cand_ptrs.add(t.untyped_storage().data_ptr())
+    return {"max_abs_diff": max_diff, "trials": len(prep.trials), "ref_ops": ref_ops[:20]}
+
+
+def _is_data(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.numel() > 0
+
+
+def _compare(out_c: Any, out_r: Any, problem: dict[str, Any], where: str) -> float:
+    """Raise an ``incorrect`` verdict unless the candidate's output matches the reference's; returns the
+    largest absolute difference of its floating-point outputs."""
+    if isinstance(out_c, tuple | list) != isinstance(out_r, tuple | list):
+        what = {True: "a sequence of outputs", False: "a single output"}
+        raise _Verdict(
+            "incorrect",
+            f"returns {what[isinstance(out_c, tuple | list)]} ({type(out_c).__name__}) where the "
+            f"reference returns {what[isinstance(out_r, tuple | list)]} ({type(out_r).__name__}): "
+            "a drop-in replacement must return the same structure",
+        )
+    outs_c, outs_r = _outputs(out_c), _outputs(out_r)
+    if len(outs_c) != len(outs_r):
+        raise _Verdict("incorrect", f"returned {len(outs_c)} outputs, the reference {len(outs_r)}")
+    max_diff = 0.0
+    for k, (c, r) in enumerate(zip(outs_c, outs_r, strict=True)):
+        if isinstance(c, torch.Tensor) != isinstance(r, torch.Tensor):
+            raise _Verdict(
+                "incorrect", f"output {k} is a {type(c).__name__}, the reference gives a {type(r).__name__}"
+            )
+        if not isinstance(r, torch.Tensor):
+            _compare_value(k, c, r, problem, where)
+            continue
+        if c.shape != r.shape:
+            raise _Verdict("incorrect", f"output {k} has shape {tuple(c.shape)}, not {tuple(r.shape)}")
+        if c.dtype != r.dtype:
+            raise _Verdict("incorrect", f"output {k} has dtype {c.dtype}, expected {r.dtype}")
+        if c.device != r.device:
+            raise _Verdict("incorrect", f"output {k} is on {c.device}, expected {r.device}")
+        if r.is_floating_point() or r.is_complex():
+            atol, rtol = _tolerances(problem, r.dtype)
+            bad_nan = torch.isnan(c) & ~torch.isnan(r)
+            if bool(bad_nan.any()):
+                raise _Verdict(
+                    "incorrect", f"output {k} has {int(bad_nan.sum())} NaN where the reference has none"
+                )
+            wide = torch.complex128 if r.is_complex() else torch.float64
+            diff = (c.to(wide) - r.to(wide)).abs()
+            diff = diff[~(torch.isnan(c) & torch.isnan(r))]
+            d = float(diff.max()) if diff.numel() else 0.0
+            max_diff = max(max_diff, d)
+            if not torch.allclose(c, r, atol=atol, rtol=rtol, equal_nan=True):
+                raise _Verdict(
+                    "incorrect",
+                    f"output {k} differs from the reference in {where}: max abs diff {d:.3g} "
+                    f"(atol {atol:g}, rtol {rtol:g})",
+                    max_abs_diff=d,
+                )
+        elif not torch.equal(c, r):
+            n = int((c != r).sum())
+            raise _Verdict(
+                "incorrect", f"output {k} differs from the reference in {where}: {n} of {r.numel()} elements"
+            )
+    return max_diff
+
+
+def _compare_value(k: int, c: Any, r: Any, problem: dict[str, Any], where: str) -> None:
+    """A non-tensor output: a Python float within the default dtype's tolerance, anything else equal."""
+    numbers = (int, float)
+    if isinstance(r, float) and isinstance(c, numbers) and not isinstance(c, bool):
+        atol, rtol = _tolerances(problem, torch.get_default_dtype())
+        if math.isclose(c, r, rel_tol=rtol, abs_tol=atol) or (math.isnan(c) and math.isnan(r)):
+            return
+        raise _Verdict(
+            "incorrect", f"output {k} is {c!r}, the reference gives {r!r} in {where} (atol {atol:g})"
+        )
+    if not _same_value(c, r):
+        raise _Verdict("incorrect", f"output {k} is {c!r}, the reference gives {r!r} in {where}")
 
 
 def _tolerances(problem: dict[str, Any], dtype: torch.dtype) -> tuple[float, float]:
     """(atol, rtol): the problem's ATOL/RTOL (0 means exact), else the dtype's default."""
     atol, rtol = problem.get("atol"), problem.get("rtol")
     return (tolerance(dtype) if atol is None else atol, tolerance(dtype) if rtol is None else rtol)
-
-
-def _clones(xs: list[Any]) -> list[Any]:
-    return [x.clone() if isinstance(x, torch.Tensor) else x for x in xs]
 
 
 def _check_reference_stable(problem: dict[str, Any], first: Any, second: Any) -> None:
@@ -378,7 +533,8 @@ def _check_reference_stable(problem: dict[str, Any], first: Any, second: Any) ->
         elif x.is_floating_point() or x.is_complex():
             atol, rtol = _tolerances(problem, x.dtype)
             same = torch.allclose(x, y, atol=atol, rtol=rtol, equal_nan=True)
-            d = float((x.double() - y.double()).abs().nan_to_num(0.0).max()) if x.numel() else 0.0
+            wide = torch.complex128 if x.is_complex() else torch.float64
+            d = float((x.to(wide) - y.to(wide)).abs().nan_to_num(0.0).max()) if x.numel() else 0.0
             detail = f"max abs diff {d:.3g} (atol {atol:g}, rtol {rtol:g})"
         else:
             same, detail = torch.equal(x, y), "different integers"
@@ -392,38 +548,45 @@ def _check_reference_stable(problem: dict[str, Any], first: Any, second: Any) ->
             )
 
 
-def _time_cpu(fn: Callable[[], Any], n: int) -> float:
+def _time_cpu(fn: Callable[[], Any], n: int, keep: int = -1) -> tuple[float, Any]:
+    """Seconds per call over ``n`` calls, and the output of call ``keep`` (checked after the timing)."""
+    kept = None
     t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
+    for i in range(n):
+        out = fn()
+        if i == keep:
+            kept = out
+    return (time.perf_counter() - t0) / n, kept
 
 
-def _time_cuda(fn: Callable[[], Any], n: int, flush: torch.Tensor) -> float:
-    times = []
-    for _ in range(n):
+def _time_cuda(fn: Callable[[], Any], n: int, flush: torch.Tensor, keep: int = -1) -> tuple[float, Any]:
+    times, kept = [], None
+    for i in range(n):
         flush.zero_()  # evict L2 (256 MB > any current L2), as KernelBench's cuda_event timing does
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        out = fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+        if i == keep:
+            kept = out
+    return statistics.median(times), kept
 
 
-def _profile(prob: Any, ref: Any, new: Any, job: dict[str, Any], device: str) -> dict[str, Any]:
-    seed = int(job["problem"].get("seed", 0))
-    torch.manual_seed(seed + 99)
-    inputs = [_to(x, device) for x in prob.get_inputs()]
-    ref_in = _clones(inputs)
+def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dict[str, Any]:
+    assert prep.profile is not None
+    inputs, out_r = prep.profile
+    ref_in, new_in = _clones(inputs), _clones(inputs)
     rounds, round_s = int(job.get("rounds", 15)), float(job.get("round_s", 0.005))
+    picks = random.Random(int(job["problem"].get("seed", 0)) ^ 0x71AE)
+    ref = prep.ref
 
     def f_ref() -> Any:
         return ref(*ref_in)
 
     def f_new() -> Any:
-        return new(*inputs)
+        return new(*new_in)
 
     with torch.no_grad():
         flush = torch.empty(64 * 2**20, dtype=torch.int32, device=device) if device == "cuda" else None
@@ -436,20 +599,28 @@ def _profile(prob: Any, ref: Any, new: Any, job: dict[str, Any], device: str) ->
         if device == "cuda":
             torch.cuda.synchronize()
         if flush is not None:  # each timed GPU call is synchronized and preceded by an L2 flush
-            per_call = max(_time_cuda(f_ref, 3, flush), _time_cuda(f_new, 3, flush), 1e-7)
+            per_call = max(_time_cuda(f_ref, 3, flush)[0], _time_cuda(f_new, 3, flush)[0], 1e-7)
             n = max(1, min(100, math.ceil(round_s / per_call)))
         else:
-            per_call = max(_time_cpu(f_ref, 3), _time_cpu(f_new, 3), 1e-7)
+            per_call = max(_time_cpu(f_ref, 3)[0], _time_cpu(f_new, 3)[0], 1e-7)
             n = max(1, min(10_000, math.ceil(round_s / per_call)))
         t_ref, t_new, ratios = [], [], []
         for r in range(rounds):
             order = [("ref", f_ref), ("new", f_new)] if r % 2 == 0 else [("new", f_new), ("ref", f_ref)]
             got: dict[str, float] = {}
+            keep = picks.randrange(n)  # one timed call per round, unknown to the candidate, is checked
+            kept = None
             for name, fn in order:
-                got[name] = _time_cuda(fn, n, flush) if flush is not None else _time_cpu(fn, n)
+                k = keep if name == "new" else -1
+                got[name], out = _time_cuda(fn, n, flush, k) if flush is not None else _time_cpu(fn, n, k)
+                kept = out if name == "new" else kept
+            # A kernel right on the validation trials but not on the timed calls (a call counter,
+            # a cached result) would be timed doing other work than the reference's
+            _compare(kept, out_r, job["problem"], f"a timed call (round {r}, call {keep})")
             t_ref.append(got["ref"])
             t_new.append(got["new"])
             ratios.append(got["ref"] / max(got["new"], 1e-12))
+        prep.namespaces.check("the candidate, while it was timed,")
     return {
         "ref_time_s": statistics.median(t_ref),
         "candidate_time_s": statistics.median(t_new),
@@ -484,17 +655,17 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": job["kind"]}
     try:
         fp_mode = _FPMode()
-        prob, ref, new, compile_s, baseline = _build(
-            job["problem"], job["candidate"], workdir, device, fp_mode
-        )
-        out["compile_s"] = compile_s
         trials = int(job.get("trials", 5)) if job["kind"] == "validate" else 1
-        out.update(_validate(prob, ref, new, job["problem"], trials, device, fp_mode, baseline))
+        profiled = job["kind"] == "profile" and not interpreted
+        prep = _prepare(job["problem"], workdir, device, trials, profiled)
+        new, compile_s, baseline = _build(job["problem"], job["candidate"], workdir, device, fp_mode, prep)
+        out["compile_s"] = compile_s
+        out.update(_validate(new, prep, job["problem"], device, fp_mode, baseline))
         out.update(verdict="correct", reason="")
         if job["kind"] == "profile" and interpreted:
             out["reason"] = "not timed: the Triton interpreter checks correctness only"
         elif job["kind"] == "profile":
-            out.update(_profile(prob, ref, new, job, device))
+            out.update(_profile(new, prep, job, device))
         if job["kind"] == "profile" and out.get("speedup", 0.0) > float(job.get("excessive_speedup", 10.0)):
             out["reason"] = f"speedup {out['speedup']:.1f}x is suspiciously high: check the kernel by hand"
             out["suspicious"] = True

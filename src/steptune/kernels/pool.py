@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import warnings
+import weakref
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -248,6 +249,9 @@ class EvalPool:
         if len(roles) != cfg.num_workers or any(r not in ("validate", "profile", "any") for r in roles):
             raise ValueError(f"roles must be {cfg.num_workers} of 'validate', 'profile', 'any'; got {roles}")
         self.root = Path(tempfile.mkdtemp(prefix="steptune-eval-"))
+        # Removed by close(), and again when the pool is collected or the interpreter exits: for a pool
+        # never closed, and after a Ctrl-C whose dying workers wrote into it after close() removed it
+        weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
         self.build_dir = self.root / "build"
         self.build_dir.mkdir()
         os.chmod(self.root, 0o755)
@@ -449,7 +453,8 @@ class EvalPool:
             for template in [*self._retired, *filter(None, [self._template])]:
                 template.close()
             self._template, self._retired = None, []
-        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)  # (the finalizer removes it once more, for a worker
+        # killed on Ctrl-C that was still writing into it)
 
     def __enter__(self) -> EvalPool:
         return self

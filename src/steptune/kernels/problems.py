@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ BUILTIN_DIR = Path(__file__).with_name("builtin_problems")
 
 # fp32 1e-4 and fp16/bf16 1e-2 follow KernelBench's get_tolerance_for_precision.
 _TOLERANCE = {"float32": 1e-4, "float64": 1e-7, "float16": 1e-2, "bfloat16": 1e-2}
+_TOLERANCE.update(complex64=1e-4, complex128=1e-7, complex32=1e-2)  # as their real and imaginary parts
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -93,16 +96,45 @@ def _parse(name: str, source: str, path: str | None) -> Problem:
             "class Model(nn.Module), get_inputs() and get_init_inputs()"
         )
     c = _constants(tree)
-    forbidden = c.get("FORBIDDEN_OPS")
     return Problem(
         name=name,
         source=source,
         path=path,
         description=str(c.get("DESCRIPTION", "")),
-        atol=None if c.get("ATOL") is None else float(c["ATOL"]),  # type: ignore[arg-type]
-        rtol=None if c.get("RTOL") is None else float(c["RTOL"]),  # type: ignore[arg-type]
-        forbidden_ops=None if forbidden is None else tuple(str(o) for o in forbidden),  # type: ignore[attr-defined]
+        atol=_tolerance_constant(name, "ATOL", c.get("ATOL")),
+        rtol=_tolerance_constant(name, "RTOL", c.get("RTOL")),
+        forbidden_ops=_forbidden_ops(name, c.get("FORBIDDEN_OPS")),
     )
+
+
+def _tolerance_constant(name: str, key: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ValueError(
+            f"problem {name!r}: {key} = {value!r}; write a finite number >= 0 (0: exact), e.g. {key} = 1e-3"
+        )
+    return float(value)
+
+
+_ATEN_NAME = re.compile(r"aten\.[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _forbidden_ops(name: str, value: object) -> tuple[str, ...] | None:
+    """FORBIDDEN_OPS as the op recorder names them (``aten.mm``): any other spelling would match nothing,
+    and setting the list turns the default rule (no replaying the reference's ops) off."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not all(isinstance(o, str) for o in value):
+        raise ValueError(f"problem {name!r}: FORBIDDEN_OPS must be a list of op names, e.g. ['aten.mm']")
+    bad = [o for o in value if not _ATEN_NAME.fullmatch(o)]
+    if bad:
+        hint = bad[0].replace("aten::", "aten.").replace("torch.", "aten.").split(".default")[0]
+        raise ValueError(
+            f"problem {name!r}: FORBIDDEN_OPS {bad} would match nothing: name aten ops as the recorder "
+            f"sees them, aten.<op> without an overload (e.g. {hint!r})"
+        )
+    return tuple(value)
 
 
 def load_problem(name_or_path: str | Path) -> Problem:

@@ -310,4 +310,7 @@ def test_a_candidate_that_patches_torch_cannot_make_the_reference_look_random():
     ).replace("x + x", "x + 1")
     with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
         res = pool.submit(Problem(name="relu_ref", source=source), hijack).result(60)
-    assert res.verdict == "incorrect" and not res.reason.startswith(PROBLEM_ERROR), res.reason
+    # ... and since 2026-12-05 rebinding a torch function at all is rejected (it changed what the reference
+    # computed: a candidate returning zeros from a patched torch.softmax was judged correct)
+    assert res.verdict == "rejected" and not res.reason.startswith(PROBLEM_ERROR), res.reason
+    assert "rebinds torch.relu" in res.reason, res.reason

@@ -1,0 +1,184 @@
+"""Verdicts a user sweep found wrong (2026-12-05), each with the candidate that showed it: cheats judged
+correct, correct kernels judged crashed or incorrect, and problem faults blamed on the candidate."""
+
+import random
+
+import pytest
+
+from steptune.kernels.agent import PROBLEM_ERROR
+from steptune.kernels.pool import EvalPool, PoolConfig
+from steptune.kernels.problems import Problem, load_problem
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+HEAD = "import random\nimport torch\nfrom torch import nn\n"
+
+
+def _problem(name: str, forward: str, inputs: str) -> Problem:
+    source = (
+        f"{HEAD}class Model(nn.Module):\n    def forward(self, *a):\n        {forward}\n"
+        f"def get_inputs():\n    return {inputs}\n"
+        "def get_init_inputs():\n    return []\n"
+    )
+    return Problem(name=name, source=source)
+
+
+def _candidate(forward: str, init: str = "", prelude: str = "") -> str:
+    init = f"    def __init__(self):\n        super().__init__()\n        {init}\n" if init else ""
+    return f"{HEAD}{prelude}class ModelNew(nn.Module):\n{init}    def forward(self, *a):\n        {forward}\n"
+
+
+SOFTMAX = _problem("sm", "return torch.softmax(a[0], dim=-1)", "[torch.randn(8, 64)]")
+HAND_SOFTMAX = "e = torch.exp(a[0] - a[0].amax(-1, keepdim=True)); return e / e.sum(-1, keepdim=True)"
+LISTS = _problem(
+    "lists", "return torch.stack(a[0]).sum(0) * a[1]", "[[torch.randn(16) for _ in range(3)], 3]"
+)
+
+
+@pytest.fixture(scope="module")
+def pools():
+    cfg = dict(num_workers=2, timeout_s=30)
+    with EvalPool(PoolConfig(**cfg)) as checked, EvalPool(PoolConfig(**cfg, static_checks=False)) as bare:
+        yield checked, bare
+
+
+def _verdict(pool, problem, source, kind="validate"):
+    res = pool.submit(problem, source, kind=kind).result(timeout=120)
+    return res.verdict, res.reason
+
+
+def test_a_candidate_that_patches_torch_is_rejected_before_and_at_run_time(pools):
+    # It was judged correct: the reference looked up the patched torch.softmax and returned zeros too
+    checked, bare = pools
+    patch = "torch.softmax = lambda x, dim=None, **k: torch.zeros_like(x)\n"
+    source = _candidate("return torch.zeros_like(a[0])", prelude=patch)
+    verdict, reason = _verdict(checked, SOFTMAX, source)
+    assert verdict == "rejected" and "line 4: rebinds torch.softmax" in reason, reason
+    verdict, reason = _verdict(bare, SOFTMAX, source)
+    assert verdict == "rejected" and "rebinds torch.softmax" in reason, reason
+    # through setattr with a literal name, and made slow to lift an honest kernel's speedup
+    sneaky = (
+        "_f = torch.softmax\nsetattr(torch, 'softmax', lambda *x, **k: [_f(*x, **k) for _ in range(4)][0])\n"
+    )
+    verdict, reason = _verdict(bare, SOFTMAX, _candidate(HAND_SOFTMAX, prelude=sneaky), kind="profile")
+    assert verdict == "rejected" and "rebinds torch.softmax" in reason, reason
+    assert _verdict(checked, SOFTMAX, _candidate(HAND_SOFTMAX, prelude=sneaky))[0] == "rejected"
+
+
+def test_the_op_recorder_cannot_be_reached_through_an_alias(pools):
+    checked, _ = pools
+    for way in ("torch.nn.functional.torch._C", "operator.attrgetter('_C')(torch)"):
+        source = f"import operator\nC = {way}\n" + _candidate(
+            "with C._DisableTorchDispatch():\n            return torch.softmax(a[0], -1)"
+        )
+        verdict, reason = _verdict(checked, SOFTMAX, source)
+        assert verdict == "rejected" and reason.startswith("static check: line "), reason
+
+
+def test_tensors_inside_list_inputs_are_copied_and_checked(pools):
+    # The candidate zeroed the list's tensors, which the reference then read: "correct, 4.76x"
+    checked, _ = pools
+    assert _verdict(checked, LISTS, _candidate("return (a[0][0] + a[0][1] + a[0][2]) * a[1]"))[0] == "correct"
+    for cheat in (
+        "[x.zero_() for x in a[0]]; return torch.zeros_like(a[0][0])",
+        "a[0].pop(); return a[0][0] * 0",
+    ):
+        assert _verdict(checked, LISTS, _candidate(cheat)) == ("incorrect", "the candidate mutated input 0")
+
+
+def test_timed_calls_are_checked_too(pools):
+    # Right on the validation calls, then x.clone() while timed: it was "correct, 5.31x"
+    checked, _ = pools
+    counter = _candidate(
+        f"self.n += 1\n        if self.n > 5:\n            return a[0].clone()\n        {HAND_SOFTMAX}",
+        init="self.n = 0",
+    )
+    verdict, reason = _verdict(checked, SOFTMAX, counter, kind="profile")
+    assert verdict == "incorrect" and "a timed call (round" in reason, reason
+    verdict, reason = _verdict(checked, SOFTMAX, _candidate(HAND_SOFTMAX), kind="profile")
+    assert verdict == "correct", reason
+
+
+@pytest.mark.parametrize(
+    ("forward", "inputs", "candidate"),
+    [
+        # a 0-d input: _same_bits viewed it as bytes and crashed
+        (
+            "return a[0] * a[1]",
+            "[torch.randn(5), torch.tensor(3.0)]",
+            "return torch.addcmul(torch.zeros_like(a[0]), a[0], a[1].expand_as(a[0]))",
+        ),
+        # complex outputs were compared bitwise (tolerance 0)
+        ("return torch.fft.fft(a[0])", "[torch.randn(64)]", "return _dft(a[0])"),
+        # a Python float output was compared exactly
+        (
+            "return float(a[0].sum())",
+            "[torch.randn(1000)]",
+            "return float(torch.dot(a[0], torch.ones_like(a[0])))",
+        ),
+    ],
+    ids=["zero_dim_input", "complex_output", "float_output"],
+)
+def test_correct_kernels_are_judged_correct(pools, forward, inputs, candidate):
+    checked, _ = pools
+    dft = (
+        "def _dft(x):\n    n = x.numel()\n    k = torch.arange(n, dtype=torch.float64)\n"
+        "    w = torch.exp(-2j * torch.pi * torch.outer(k, k) / n)\n"
+        "    return (w @ x.to(torch.complex128)).to(torch.complex64)\n"
+    )
+    verdict, reason = _verdict(checked, _problem("p", forward, inputs), _candidate(candidate, prelude=dft))
+    assert verdict == "correct", reason
+
+
+def test_a_tensor_where_the_reference_returns_a_float_is_incorrect(pools):
+    checked, _ = pools
+    problem = _problem("f", "return float(a[0].sum())", "[torch.randn(10)]")
+    assert _verdict(checked, problem, _candidate("return a[0].cumsum(0)[-1]")) == (
+        "incorrect",
+        "output 0 is a Tensor, the reference gives a float",
+    )
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    ["[torch.randn(3 - random.randint(0, 1))]", "[torch.randn(8)] if random.random() > 0.45 else 1 / 0"],
+)
+def test_a_problem_that_fails_on_a_later_draw_is_a_problem_error(pools, inputs):
+    # An odd length the reference cannot view(2, -1), or get_inputs raising, on a later draw (the warm-up
+    # draw, seeded 0, passes; trial 1's or 4's fails): this was blamed on the candidate ("crashed"), and
+    # optimize went on searching
+    checked, _ = pools
+    problem = _problem("late", "return a[0].view(2, -1).sum(0)", inputs)
+    halves = _candidate("return a[0].view(2, -1)[0] + a[0].view(2, -1)[1]")
+    verdict, reason = _verdict(checked, problem, halves)
+    assert verdict == "crashed" and reason.startswith(PROBLEM_ERROR), reason
+
+
+def test_inputs_drawn_with_pythons_random_are_seeded(pools):
+    # A value from random.randint: only torch was seeded, so verdicts changed from run to run
+    checked, _ = pools
+    problem = _problem("coin", "return a[0] * 2", "[torch.full((4,), float(random.randint(0, 1)))]")
+    wrong_on_ones = _candidate("return torch.where(a[0] > 0.5, a[0] + a[0] + 0.5, a[0] + a[0])")
+    coins = []
+    for trial in range(5):
+        random.seed(1000 + trial)  # the evaluator's seed for trial k (problem seed 0)
+        coins.append(random.randint(0, 1))
+    want = ("correct", "") if 1 not in coins else ("incorrect", f"trial {coins.index(1)}")
+    for _ in range(2):
+        verdict, reason = _verdict(checked, problem, wrong_on_ones)
+        assert verdict == want[0] and want[1] in reason, (coins, verdict, reason)
+
+
+def test_problem_constants_are_checked_when_loaded(tmp_path):
+    base = SOFTMAX.source
+    for line, message in [
+        ("ATOL = [1e-3]", "ATOL = [0.001]; write a finite number >= 0"),
+        ("RTOL = -1.0", "RTOL = -1.0; write a finite number >= 0"),
+        ("FORBIDDEN_OPS = ['aten::mm', 'torch.mm']", "would match nothing: name aten ops as the recorder"),
+    ]:
+        path = tmp_path / "p.py"
+        path.write_text(f"{base}\n{line}\n")
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            load_problem(path)
+    path.write_text(f"{base}\nFORBIDDEN_OPS = ['aten.mm', 'aten.addmm']\nATOL = 0\n")
+    assert load_problem(path).forbidden_ops == ("aten.mm", "aten.addmm")
