@@ -352,8 +352,15 @@ def _call(fn: Callable[..., Any], args: list[Any], what: str) -> Any:
     except Exception as exc:
         if "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower():
             raise _Verdict("resource_limit", f"{what} ran out of memory: {str(exc)[:300]}") from exc
-        tb = traceback.format_exc(limit=-5)[-1500:]  # the innermost frames: where it raised
-        raise _Verdict("crashed", f"{what} raised {type(exc).__name__}: {exc}\n{tb}") from exc
+        raise _Verdict("crashed", f"{what} raised {type(exc).__name__}: {exc}\n{_where(exc)}") from exc
+
+
+def _where(exc: BaseException) -> str:
+    """The candidate's and the problem's own frames of the traceback (the evaluator's, the op recorder's
+    and torch's hid the failing line), innermost last; torch's last frames if neither file is in it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if Path(f.filename).name in ("candidate.py", "problem.py")]
+    return "".join(traceback.format_list(own[-6:] or frames[-3:]))[-1500:]
 
 
 def _validate(

@@ -182,3 +182,12 @@ def test_problem_constants_are_checked_when_loaded(tmp_path):
             load_problem(path)
     path.write_text(f"{base}\nFORBIDDEN_OPS = ['aten.mm', 'aten.addmm']\nATOL = 0\n")
     assert load_problem(path).forbidden_ops == ("aten.mm", "aten.addmm")
+
+
+def test_a_crash_names_the_candidates_failing_line(pools):
+    # The last 4 frames were the evaluator's, the op recorder's and torch's: the failing line was cut off
+    checked, _ = pools
+    helpers = "def deep(x):\n    return x.view(3, -1, 7)\n\n\ndef helper(x):\n    return deep(x) * 2\n\n\n"
+    verdict, reason = _verdict(checked, SOFTMAX, _candidate("return helper(a[0])", prelude=helpers))
+    assert verdict == "crashed" and "in deep\n" in reason and "x.view(3, -1, 7)" in reason, reason
+    assert "_ops.py" not in reason and "evaluate.py" not in reason, reason
