@@ -228,13 +228,12 @@ class _Namespaces:
     what the reference and its timing run: rejected. Names added later (lazy submodules) are ignored."""
 
     def __init__(self) -> None:
-        spaces = [vars(sys.modules[m]) for m in _WATCHED if m in sys.modules]
-        spaces += [vars(torch.Tensor), vars(torch.nn.Module)]
-        self._spaces = [(space, {k: id(v) for k, v in space.items()}) for space in spaces]
-        self._names = [*(m for m in _WATCHED), "torch.Tensor", "torch.nn.Module"]
+        spaces = [(m, vars(sys.modules[m])) for m in _WATCHED if m in sys.modules]
+        spaces += [("torch.Tensor", vars(torch.Tensor)), ("torch.nn.Module", vars(torch.nn.Module))]
+        self._spaces = [(where, space, {k: id(v) for k, v in space.items()}) for where, space in spaces]
 
     def check(self, when: str) -> None:
-        for (space, ids), where in zip(self._spaces, self._names, strict=False):
+        for where, space, ids in self._spaces:
             for name, ident in ids.items():
                 if id(space.get(name, _MISSING)) != ident:
                     raise _Verdict(
