@@ -74,7 +74,7 @@ def test_a_file_shadowed_or_broken_and_misplaced_options_are_named(tmp_path, cap
     assert "SyntaxError" in capsys.readouterr().err
     script = tmp_path / "quick_loop.py"
     script.write_text("def train(ctx, *args):\n    return list(args)\n")
-    out = tmp_path / "r.json"
+    out = tmp_path / "missing" / "r.json"  # a folder --json names is created (it ran, then lost the JSON)
     args = ["resilience", "elastic", "--json", str(out), f"{script}:train", "--nproc-per-node", "2"]
     assert main(args) == 0
     assert "come after the target" in capsys.readouterr().err

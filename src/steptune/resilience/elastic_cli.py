@@ -91,6 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"survivors {res['survivors']}; {res['wall_s']:.1f} s")
     if args.json:
         out = {**res, "results": {str(r): v for r, v in res["results"].items()}}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, default=repr))
         print(f"wrote: {args.json}")
     return 0
