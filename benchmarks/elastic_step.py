@@ -90,7 +90,8 @@ def bench_rank(ctx: Any, cfg: dict[str, Any]) -> dict[str, list[float]]:
 
     def track(v: str) -> None:  # outside the timed region: once per variant and round
         if v.startswith("ctx."):
-            ctx.track(models[v], opts[v], restore="snapshot" if v.endswith("/snapshot") else "peer")
+            mode = "snapshot" if v.endswith("/snapshot") else "peer"
+            ctx.track(models[v], opts[v], restore=mode, replace=True)
 
     def run(v: str, steps: int) -> None:
         if v.startswith("ctx."):

@@ -99,3 +99,84 @@ def test_arguments_the_function_cannot_take_are_refused_before_any_rank_starts(t
     assert "train(ctx, steps) cannot be called as train(ctx)" in err and "as strings" in err, err
     assert main(["resilience", "elastic", "--nproc-per-node", "2", f"{script}:train", "1", "2"]) == 2
     assert "cannot be called as train(ctx, '1', '2')" in capsys.readouterr().err
+
+
+HEADS = """
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    body, a, b = nn.Linear(8, 16), nn.Linear(16, 1), nn.Linear(16, 1)
+    model = nn.ModuleDict({"body": body, "a": a, "b": b})
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def loss_of(model, step, rows):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+    head = model["a"] if step % 2 == 0 else model["b"]  # the other head gets no gradient this step
+    return ((head(torch.tanh(model["body"](x[rows]))) - y[rows]) ** 2).sum() / 8
+
+
+def train(ctx, steps):
+    model, opt = build()
+    ctx.track(model, opt)
+    out = []
+    while ctx.step < int(steps):
+        with ctx.attempt():
+            loss = loss_of(model, ctx.step, list(ctx.shard(8)))
+            loss.backward()
+            out.append(ctx.sync(model, loss))
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
+def reference(steps):
+    model, opt = build()
+    out = []
+    for step in range(steps):
+        loss = loss_of(model, step, list(range(8)))
+        loss.backward()
+        out.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def mismatched(ctx):
+    model = nn.Linear(8, 1) if ctx.orig != 1 else nn.Linear(8, 2)
+    ctx.track(model)
+    with ctx.attempt():
+        model(torch.randn(2, 8)).sum().backward()
+        ctx.sync(model)
+"""
+
+
+def test_sync_leaves_a_parameter_no_rank_computed_a_gradient_for_without_one(tmp_path):
+    # Found in a sweep (2026-12-05): ctx.sync gave such a parameter zeros, so AdamW decayed and moved it
+    # where one process (and DDP) skips it: losses 0.5949 vs 0.6096 at step 5
+    script = tmp_path / "two_heads.py"
+    script.write_text(HEADS)
+    out = tmp_path / "r.json"
+    assert (
+        main(["resilience", "elastic", "--nproc-per-node", "2", "--json", str(out), f"{script}:train", "6"])
+        == 0
+    )
+    ns: dict = {}
+    exec(compile(HEADS, str(script), "exec"), ns)
+    ref = ns["reference"](6)
+    for losses in json.loads(out.read_text())["results"].values():
+        assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 1e-6, (losses, ref)
+
+
+def test_ranks_whose_models_differ_stop_the_job_instead_of_one_surviving(tmp_path, capsys):
+    # Found in a sweep (2026-12-05): gloo aborted the ranks on the size mismatch, the launcher took that
+    # for deaths, and the one odd rank "survived" alone with exit code 0
+    script = tmp_path / "mismatched.py"
+    script.write_text(HEADS)
+    argv = ["resilience", "elastic", "--nproc-per-node", "3", "--group-timeout", "5", f"{script}:mismatched"]
+    assert main(argv) == 1
+    assert "the ranks' models have different parameter shapes" in capsys.readouterr().err

@@ -62,6 +62,7 @@ import signal
 import time
 import traceback
 import weakref
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -107,6 +108,8 @@ class Elastic:
         self._store = store
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._state: Snapshots | PeerState | None = None
+        self._tracked: tuple[Any, ...] = ()
+        self._restore = "peer"
         self._failed = False
         self._recovering = False
         self._synced = False  # ctx.sync ran in this attempt
@@ -143,17 +146,29 @@ class Elastic:
     def world(self) -> int:
         return len(self.members)
 
-    def track(self, *objs: Any, restore: str = "peer") -> None:
+    def track(self, *objs: Any, restore: str = "peer", replace: bool = False) -> None:
         """Modules, optimizers and anything else with ``state_dict``/``load_state_dict``: the state a
         recovery brings back. ``restore="peer"``: nothing big is copied per step; after a death the
         survivors resume from the highest step any of them holds, and those that lack it receive it from
         one that does (``peer_state``). ``restore="snapshot"``: every step's start is deep-copied (two
-        kept) and restored, which also undoes writes other than optimizer steps (``recovery.Snapshots``)."""
+        kept) and restored, which also undoes writes other than optimizer steps (``recovery.Snapshots``).
+        Calls add up (``track(model); track(opt)`` tracks both); ``replace=True`` tracks only ``objs``."""
         if restore not in ("peer", "snapshot"):
             raise ValueError(f"ctx.track: restore must be 'peer' or 'snapshot', got {restore!r}")
+        if replace:
+            self._tracked = ()
+        elif self._state is not None and restore != self._restore:
+            raise ValueError(
+                f"ctx.track(restore={restore!r}) after ctx.track(restore={self._restore!r}): track "
+                "everything with one restore mode (or pass replace=True)"
+            )
+        # Calls add up: ctx.track(model); ctx.track(opt) tracks both (the second used to replace the first,
+        # so a recovery restored the optimizer but not the model)
+        objs = (*self._tracked, *(o for o in objs if all(o is not t for t in self._tracked)))
         if isinstance(self._state, PeerState):
             self._state.close()
         self._state = Snapshots(*objs) if restore == "snapshot" else PeerState(*objs)
+        self._tracked, self._restore = objs, restore
 
     @property
     def held_bytes(self) -> int:
@@ -178,12 +193,27 @@ class Elastic:
         self._synced = True
         params = [p for p in model.parameters() if p.requires_grad]
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss or 0.0)
-        total = torch.tensor([value], device=params[0].device if params else "cpu")
+        # The loss rides with a signature of the parameters' shapes: all ranks equal iff n * sum(h^2) ==
+        # sum(h)^2 (exact in fp64 for h < 2^20). Gradients of other shapes would make gloo abort the
+        # process, which the launcher took for a death: the odd rank "survived" alone.
+        h = float(zlib.crc32(repr([tuple(p.shape) for p in params]).encode()) & 0xFFFFF)
+        head = torch.tensor([value, h, h * h, 1.0], dtype=torch.float64)
+        self.all_reduce(head)
+        if head[3] * head[2] != head[1] * head[1]:
+            raise RuntimeError(
+                f"ctx.sync on rank {self.orig}, step {self._step}: the ranks' models have different "
+                "parameter shapes (or a different number of parameters that require grad); every rank must "
+                "pass the same model"
+            )
         flat, keep = pack_grads(params)  # local work stays outside: its errors are not a peer's death
-        self.all_reduce(flat)
-        self.all_reduce(total)
-        unpack_grads(params, flat, keep)
-        return float(total.item())
+        dtype, device = flat.dtype, flat.device
+        has = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)
+        flat = self.all_reduce(torch.cat([flat, has]))  # which parameters got a gradient on some rank
+        unpack_grads(params, flat[: flat.numel() - len(params)], keep)
+        for p, n in zip(params, flat[flat.numel() - len(params) :].tolist(), strict=True):
+            if n == 0:  # no rank computed one: None as in one process, so AdamW skips it
+                p.grad = None
+        return float(head[0])
 
     def ddp(self, module: nn.Module, *, average: bool = True, **ddp_kwargs: Any) -> nn.Module:
         """``module`` under torch's ``DistributedDataParallel`` over the survivors, rebuilt after each death

@@ -34,6 +34,7 @@ import math
 import numbers
 import statistics
 import time
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,7 +217,7 @@ class _CommStep:
     """Per group of ranks: the mean (modelled, observed) seconds over its ranks."""
 
 
-_NO_BATCH = (-1.0, -1.0, -1.0)  # no assign() this step (the loop passes end_step(tokens=))
+_NO_BATCH = (-1.0, -1.0, -1.0, -1.0)  # no assign() this step (the loop passes end_step(tokens=))
 
 
 def _check_same_batch(step: int, batches: Sequence[tuple[float, ...]]) -> None:
@@ -230,8 +231,8 @@ def _check_same_batch(step: int, batches: Sequence[tuple[float, ...]]) -> None:
     (r, b), (r0, b0) = other, seen[0]
     raise ValueError(
         f"step {step}: rank {r} passed assign() {int(b[0])} microbatches, {int(b[1])} tokens, rank {r0} "
-        f"{int(b0[0])} microbatches, {int(b0[1])} tokens (or the same counts with other lengths): every rank "
-        "must pass the step's whole global batch, the same lengths in the same order"
+        f"{int(b0[0])} microbatches, {int(b0[1])} tokens (or the same counts with other lengths or "
+        "grouping): every rank must pass the step's whole global batch, the same lengths in the same order"
     )
 
 
@@ -292,7 +293,7 @@ class Runtime:
         self._pending: list[tuple[float, float, float, Any, Any]] = []
         self._pending_comm: list[tuple[float, tuple[int, int], Any, Any]] = []
         self._tokens = 0
-        self._batch: tuple[float, float, float] = _NO_BATCH  # what assign() saw: checked across ranks
+        self._batch: tuple[float, ...] = _NO_BATCH  # what assign() saw: checked across ranks
         self._open = False  # a timed() block is running
         self._last = time.perf_counter()
 
@@ -310,7 +311,10 @@ class Runtime:
         for i, mb in enumerate(microbatches):
             _check_lengths(mb, f"microbatch {i}")
         self._tokens = sum(sum(mb) for mb in microbatches)
-        self._batch = (len(microbatches), self._tokens, sum(n * n for mb in microbatches for n in mb))
+        # the counts, and a CRC of the lengths in order: a batch regrouped or permuted has the same counts
+        # (found in a sweep: [[100, 200], [300]] vs [[100], [200, 300]] left the 200 on no rank)
+        layout = zlib.crc32(repr([[int(n) for n in mb] for mb in microbatches]).encode())
+        self._batch = (len(microbatches), self._tokens, sum(n * n for mb in microbatches for n in mb), layout)
         return lpt_assign([self.cost(mb) for mb in microbatches], self.speeds)[self.rank]
 
     # -- timing --------------------------------------------------------------------------------------
@@ -499,7 +503,7 @@ class Runtime:
     def _gather(self) -> list[list[tuple[float, float, float]]]:
         # each rank's sample count, and a digest of the batch its assign() saw (exact in float64)
         counts = torch.tensor([float(len(self._samples)), *self._batch], dtype=torch.float64)
-        every = [torch.zeros(4, dtype=torch.float64) for _ in range(self.world)]
+        every = [torch.zeros(5, dtype=torch.float64) for _ in range(self.world)]
         self._allgather(every, counts)
         _check_same_batch(self.step, [tuple(map(float, e[1:])) for e in every])
         width = int(max(c[0].item() for c in every)) or 1

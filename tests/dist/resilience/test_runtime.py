@@ -39,7 +39,10 @@ def _assign_rank(rank, group, same):
     from steptune.resilience.runtime import Runtime, RuntimeConfig
 
     rt = Runtime(group, stage_model("llama3.1-8b"), RuntimeConfig(time_scale=0.001))
-    batch = [[1024], [2048]] if same or rank == 0 else [[1000], [3000]]
+    other = {False: [[1000], [3000]], "regrouped": [[1024, 1024], [1024]], "permuted": [[2048], [1024]]}
+    batch = [[1024], [2048]] if same is True or rank == 0 else other[same]
+    if same == "regrouped" and rank == 0:
+        batch = [[1024], [1024, 1024]]  # the same counts, tokens and sum of squares
     mine = rt.assign(batch)
     for i in mine:
         with rt.timed(batch[i]):
@@ -56,6 +59,13 @@ def test_ranks_that_pass_different_batches_are_told_at_end_step():
     assert sorted(i for mine, _ in got for i in mine) == [0, 1] and {t for _, t in got} == {3072}
     with pytest.raises(RankFailure, match=r"step 0: rank 1 passed assign\(\) 2 microbatches, 4000 tokens"):
         run_threads(_assign_rank, 2, False, timeout=30)
+    # ... and batches whose counts agree but whose grouping or order differs (found later the same day:
+    # [[100, 200], [300]] vs [[100], [200, 300]] left the 200-token sequence on no rank)
+    for how in ("regrouped", "permuted"):
+        with pytest.raises(
+            RankFailure, match=r"step 0: rank 1 passed assign\(\) 2 microbatches, 3072 tokens"
+        ):
+            run_threads(_assign_rank, 2, how, timeout=30)
 
 
 def _skip_end_step_rank(rank, group):
