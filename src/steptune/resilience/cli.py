@@ -339,10 +339,10 @@ def _parse_inject(spec: str) -> dict[str, Any]:
 def _steps_to_arm(microbatches: int = 16) -> int:
     """Steps before the runtime judges a rank: the predictor's warm-up samples (every rank's microbatches
     count), then the detector's baseline of residuals per rank."""
-    from steptune.resilience.detect import ResiHPConfig
-    from steptune.resilience.predict import PredictorConfig
+    from steptune.resilience.runtime import RuntimeConfig
 
-    return math.ceil(PredictorConfig().warmup / microbatches) + ResiHPConfig().warmup
+    cfg = RuntimeConfig()  # the runtime's own warm-ups (its predictor's is not PredictorConfig's default)
+    return math.ceil(cfg.predictor.warmup / microbatches) + cfg.detector.warmup
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -64,6 +64,22 @@ class ResiHPConfig:
     recover: float = 1.10
     """An episode ends when observed falls back under recover x predicted."""
 
+    def __post_init__(self) -> None:
+        # found in a sweep: consecutive=0 raised an alarm every step, with slowdowns under 1
+        for name, low in (("consecutive", 1), ("warmup", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"ResiHPConfig.{name} must be a whole number >= {low}, got {value!r}")
+        for name, low, strict in (
+            ("gate", 1.0, False), ("z_limit", 0.0, True), ("cusum_k", 0.0, False), ("cusum_h", 0.0, True),
+            ("recover", 1.0, False),
+        ):  # fmt: skip
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and value < math.inf
+            if not ok or value < low or (strict and value == low):
+                rule = f"{'>' if strict else '>='} {low:g}"
+                raise ValueError(f"ResiHPConfig.{name} must be a finite number {rule}, got {value!r}")
+
 
 @dataclass
 class _Unit:

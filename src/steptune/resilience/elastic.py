@@ -424,6 +424,13 @@ def launch(
     only."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    for name, value in (("group_timeout_s", group_timeout_s), ("node_timeout_s", node_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise ValueError(f"launch: {name} must be a finite number of seconds > 0, got {value!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(
+            f"launch: threads (intra-op threads per rank) must be a whole number >= 1, got {threads!r}"
+        )
     why = cannot_pickle((fn, args))
     if why:
         raise ValueError(

@@ -16,6 +16,7 @@ samples raises ``ValueError`` naming the key, rather than guessing.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -36,6 +37,25 @@ class PredictorConfig:
     """Accepted samples between refits."""
     healthy_band: float = 0.15
     """After warm-up, a sample updates the model only if |observed / predicted - 1| is within this band."""
+
+    def __post_init__(self) -> None:
+        # found in a sweep: warmup=0 fitted on no samples and blamed a healthy rank for a 26x slowdown
+        _whole(self, "warmup", 3, "the fit has 3 coefficients")
+        _whole(self, "window", self.warmup, "at least warmup")
+        _whole(self, "refit_every", 1, "")
+        if not (isinstance(self.healthy_band, int | float) and 0 < self.healthy_band < math.inf):
+            raise ValueError(
+                f"PredictorConfig.healthy_band must be a finite number > 0, got {self.healthy_band!r}"
+            )
+
+
+def _whole(cfg: object, name: str, low: int, why: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(
+            f"{type(cfg).__name__}.{name} must be a whole number >= {low}{f' ({why})' if why else ''}, "
+            f"got {value!r}"
+        )
 
 
 @dataclass

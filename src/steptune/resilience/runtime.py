@@ -157,12 +157,17 @@ class RuntimeConfig:
                 "> 0 (wall seconds per emulated second)",
                 lambda v: 0 < v < math.inf,
             ),
-            ("noise_sigma", self.noise_sigma, ">= 0 (lognormal sigma)", lambda v: 0 <= v < math.inf),
+            # sigma 1 already spreads a microbatch 2.7x either way; 50 slept for half an hour
+            ("noise_sigma", self.noise_sigma, "in [0, 1] (lognormal sigma)", lambda v: 0 <= v <= 1),
             ("iteration_threshold", self.iteration_threshold, "> 0 (0.10: 10%)", lambda v: 0 < v < math.inf),
         )
         for name, value, rule, ok in checks:
             if not isinstance(value, int | float) or isinstance(value, bool) or not ok(value):
                 raise ValueError(f"RuntimeConfig.{name} must be a finite number {rule}, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"RuntimeConfig.seed must be a whole number >= 0, got {self.seed!r}")
+        if not isinstance(self.detector, ResiHPConfig) or not isinstance(self.predictor, PredictorConfig):
+            raise TypeError("RuntimeConfig: detector is a ResiHPConfig and predictor a PredictorConfig")
 
 
 def _check_lengths(lengths: Any, what: str) -> None:
@@ -257,6 +262,11 @@ class Runtime:
         faults: Sequence[SlowFault] = (),
         link_faults: Sequence[LinkFault] = (),
     ) -> None:
+        if not isinstance(stage, StageModel):
+            raise TypeError(
+                f"Runtime(stage={stage!r}): the cost model of the whole model, a StageModel, e.g. "
+                "steptune.resilience.live.stage_model('llama3.1-8b')"
+            )
         self.group = group
         self.rank, self.world = group.rank(), group.size()
         self.stage = stage
@@ -339,6 +349,8 @@ class Runtime:
         """
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        if not phases or any(ph not in ("F", "B", "W") for ph in phases):
+            raise ValueError(f"timed(phases={phases!r}): one or more of 'F', 'B', 'W'")
         _check_lengths(lengths, "timed(lengths)")
         if self._open:
             raise RuntimeError(
@@ -384,6 +396,12 @@ class Runtime:
         collectives apart (a stage's DP all-reduce, another stage's), against a detector of their own, so
         one slow group is not averaged away among healthy ones; an alarm is validated by ``probe_links``.
         Every rank of ``ranks`` times it (this rank must be one of them)."""
+        if not (
+            isinstance(seconds, int | float) and not isinstance(seconds, bool) and 0 <= seconds < math.inf
+        ):
+            raise ValueError(
+                f"comm_timed(seconds={seconds!r}): the collective's healthy time, finite and >= 0"
+            )
         cfg = self.config
         key = self._comm_group(ranks)
         if self._cuda_timing():
@@ -554,7 +572,11 @@ class Runtime:
         if self._open:
             raise RuntimeError("end_step() inside a timed() block: close it (a with block) first")
         if tokens is not None:
-            self._tokens = tokens
+            if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+                raise ValueError(
+                    f"end_step(tokens={tokens!r}): the step's global tokens, a whole number >= 0"
+                )
+            self._tokens = int(tokens)
         self._read_events()  # on CUDA: the step's kernels have finished before the wall clock is read
         now = time.perf_counter()
         wall = (now - self._last) / (self.config.time_scale if self.config.emulate else 1.0)

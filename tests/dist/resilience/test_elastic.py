@@ -77,6 +77,17 @@ def test_attempt_without_track_says_what_to_call():
         pass
 
 
+def test_launch_checks_its_timeouts_and_threads_before_spawning():
+    # found in a user sweep (2026-12-05): 0 and -1 were taken; threads=0 failed inside the ranks
+    for kw, says in (
+        ({"group_timeout_s": 0}, "group_timeout_s must be a finite number of seconds > 0"),
+        ({"group_timeout_s": -1}, "group_timeout_s"),
+        ({"threads": 0}, "threads .* must be a whole number >= 1"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            launch(toy_train, 2, 1, **kw)
+
+
 def test_the_example_survives_its_kill():
     script = Path(__file__).resolve().parents[3] / "examples" / "elastic_dp.py"
     out = subprocess.run([sys.executable, str(script), "--ranks", "3", "--steps", "6", "--kill", "1:2"],

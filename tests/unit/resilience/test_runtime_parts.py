@@ -159,12 +159,27 @@ def test_config_and_faults_out_of_range_are_refused_where_they_are_made():
         ({"time_scale": -0.01}, "time_scale"),
         ({"time_scale": float("nan")}, "time_scale"),
         ({"time_scale": "0.01"}, "time_scale"),
-        ({"noise_sigma": -1}, "noise_sigma must be a finite number >= 0"),
+        ({"noise_sigma": -1}, "noise_sigma must be a finite number in \\[0, 1\\]"),
         ({"iteration_threshold": -1}, "iteration_threshold"),
         ({"emulate": "no"}, "emulate and adapt are True or False"),
+        # found in a user sweep (2026-12-05): each was taken, then went wrong later or slept for ~1600 s
+        ({"noise_sigma": 50}, "noise_sigma must be a finite number in \\[0, 1\\]"),
+        ({"seed": -1}, "seed must be a whole number >= 0"),
     ):
         with pytest.raises(ValueError, match=says):
             RuntimeConfig(**kw)
+    from steptune.resilience.detect import ResiHPConfig
+    from steptune.resilience.predict import PredictorConfig
+
+    for make, kw, says in (
+        (PredictorConfig, {"warmup": 0}, "warmup must be a whole number >= 3"),  # a healthy rank "26x slow"
+        (PredictorConfig, {"warmup": 30, "window": 10}, "window must be a whole number >= 30"),
+        (ResiHPConfig, {"consecutive": 0}, "consecutive must be a whole number >= 1"),  # an alarm every step
+        (ResiHPConfig, {"gate": 0.9}, "gate must be a finite number >= 1"),
+        (ResiHPConfig, {"cusum_h": 0}, "cusum_h must be a finite number > 0"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            make(**kw)
     for kw, says in (
         ({"factor": float("inf")}, "finite number >= 1"),  # slept forever in step 1 before
         ({"factor": 0.5}, "finite number >= 1"),
@@ -211,6 +226,16 @@ def test_runtime_refuses_what_would_silently_do_nothing_or_crash_later():
     ctx.__exit__(None, None, None)
     assert rt.end_step().tokens == 2048  # the assign() above
     assert rt.end_step().tokens == 0  # a step with no assign() is not credited the last one's tokens
+    # found in a user sweep (2026-12-05): these were taken, or failed later with AttributeError or
+    # ZeroDivisionError
+    with pytest.raises(ValueError, match="a whole number"):
+        rt.end_step(tokens="abc")
+    with pytest.raises(ValueError, match="one or more of 'F', 'B', 'W'"):
+        rt.timed([1024], phases=()).__enter__()
+    with pytest.raises(ValueError, match="the collective's healthy time"):
+        rt.comm_timed(float("nan")).__enter__()
+    with pytest.raises(TypeError, match="a StageModel"):
+        Runtime(_One(), "llama3.1-8b")  # type: ignore[arg-type]
 
 
 def test_injections_and_layouts_given_twice_or_spaced_are_refused(capsys):
