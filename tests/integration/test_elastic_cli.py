@@ -172,6 +172,19 @@ def test_sync_leaves_a_parameter_no_rank_computed_a_gradient_for_without_one(tmp
         assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 1e-6, (losses, ref)
 
 
+def test_a_module_in_the_current_folder_and_torchruns_spelling(tmp_path, monkeypatch):
+    # found in a user sweep (2026-12-05): `my_train:train` from the file's folder said "No module named",
+    # and torchrun's --nproc_per_node was refused
+    (tmp_path / "heads_here.py").write_text(HEADS)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "r.json"
+    assert (
+        main(["resilience", "elastic", "--nproc_per_node", "2", "--json", str(out), "heads_here:train", "2"])
+        == 0
+    )
+    assert sorted(json.loads(out.read_text())["results"]) == ["0", "1"]
+
+
 def test_ranks_whose_models_differ_stop_the_job_instead_of_one_surviving(tmp_path, capsys):
     # Found in a sweep (2026-12-05): gloo aborted the ranks on the size mismatch, the launcher took that
     # for deaths, and the one odd rank "survived" alone with exit code 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ def resolve(target: str) -> Any:
         if str(file.parent) not in sys.path:  # appended, so the file's neighbours cannot shadow installed
             sys.path.append(str(file.parent))  # modules; spawned ranks get this sys.path
         where = file.stem
+    elif os.getcwd() not in sys.path:  # a module in the current folder, as `python -m` finds it (appended)
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(where)
     except Exception as err:  # ImportError, or the file's own error (a SyntaxError, ...)
@@ -108,7 +111,9 @@ def register(verbs: Any) -> None:
     )
     e.add_argument("target", help="module:function or path/to/file.py:function (a module-level function)")
     e.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the function, as strings")
-    e.add_argument("--nproc-per-node", type=positive_int, default=1, help="ranks on this host")
+    e.add_argument(
+        "--nproc-per-node", "--nproc_per_node", type=positive_int, default=1, help="ranks on this host"
+    )
     e.add_argument("--nnodes", type=positive_int, default=1, help="hosts in the job")
     e.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
     e.add_argument("--master", default=None, help="HOST:PORT of node 0, or file:PATH on a shared filesystem")
