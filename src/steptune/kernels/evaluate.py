@@ -170,6 +170,12 @@ def _same_value(a: Any, b: Any) -> bool:
             and len(a) == len(b)
             and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
         )
+    if _is_array(a) or _is_array(b):  # numpy: == is elementwise, so bool() of it raised (found in review)
+        import numpy as np
+
+        return bool(_is_array(a) and _is_array(b) and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
     if isinstance(a, dict) or isinstance(b, dict):
         return (
             isinstance(a, dict)
@@ -183,11 +189,20 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
+def _is_array(x: Any) -> bool:
+    return type(x).__module__ == "numpy" and hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def _rebuilt(x: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
+    """A list or tuple of ``x``'s type holding ``items`` (a namedtuple takes them as arguments)."""
+    return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+
+
 def _to(x: Any, device: str) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device)
     if isinstance(x, list | tuple):
-        return type(x)(_to(v, device) for v in x)
+        return _rebuilt(x, [_to(v, device) for v in x])
     if isinstance(x, dict):
         return {k: _to(v, device) for k, v in x.items()}
     return x
@@ -198,8 +213,10 @@ def _clone(x: Any) -> Any:
     candidate's copy and the reference's let a candidate change what the reference saw)."""
     if isinstance(x, torch.Tensor):
         return x.clone()
+    if _is_array(x):
+        return x.copy()
     if isinstance(x, list | tuple):
-        return type(x)(_clone(v) for v in x)
+        return _rebuilt(x, [_clone(v) for v in x])
     if isinstance(x, dict):
         return {k: _clone(v) for k, v in x.items()}
     return x
@@ -235,7 +252,10 @@ class _Namespaces:
     def check(self, when: str) -> None:
         for where, space, ids in self._spaces:
             for name, ident in ids.items():
-                if id(space.get(name, _MISSING)) != ident:
+                now = space.get(name, _MISSING)
+                # torch rebinds some names itself (torch.compile's dynamo wraps Module.__init__ and
+                # manual_seed): a new binding from torch's own modules is not the candidate's patch
+                if id(now) != ident and not str(getattr(now, "__module__", "")).startswith("torch"):
                     raise _Verdict(
                         "rejected",
                         f"{when} rebinds {where}.{name}, which the reference and the timing use too: a "
@@ -332,7 +352,7 @@ def _build(
     prep.namespaces.check("importing the candidate")
     if not hasattr(cand, "ModelNew"):
         raise _Verdict("compile_error", "the candidate defines no ModelNew class")
-    torch.manual_seed(int(problem.get("seed", 0)))  # the same parameters as the reference
+    _seed_all(int(problem.get("seed", 0)))  # the same parameters as the reference (which numpy may draw)
     try:
         new = cand.ModelNew(*prep.init).to(device).eval()
     except MemoryError:

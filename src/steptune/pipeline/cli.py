@@ -123,7 +123,9 @@ def _memory_bound_notes(res: Any, cap: float) -> list[str]:
     best, notes = res.best, []
     if res.anchors and res.best_anchor is None:
         notes.append(f"no anchor fits the {cap / 1e9:.4g} GB memory cap; only the tuned schedule does")
-    if best.makespan > 2 * res.lower_bound and best.result.bubble_fraction > 0.5:
+    peak = max(best.result.peak_memory)
+    binds = res.best_anchor is None or peak >= 0.8 * cap  # the cap, not M < P, keeps the step long
+    if best.makespan > 2 * res.lower_bound and best.result.bubble_fraction > 0.5 and binds:
         notes.append(
             f"MEMORY-BOUND: the tuned step is {best.makespan / res.lower_bound:.1f}x the lower bound and "
             f"{100 * best.result.bubble_fraction:.0f}% bubble, because the cap leaves room for few "

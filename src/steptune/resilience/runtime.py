@@ -64,9 +64,9 @@ scale 0.02 lasts 1 ms). GPUs time the real collective and have no such floor."""
 
 
 _VALIDATE = 1.25
-_MAX_COMM_GROUPS = 4  # distinct ``comm_timed`` groups one rank may time in one step
 """A probed link counts as slow above 1.25 x both its model and the fastest probe: ResiHP validates only
 slowdowns over 25%."""
+_MAX_COMM_GROUPS = 4  # distinct ``comm_timed`` groups one rank may time in one step
 
 
 def fault_range_error(
@@ -289,7 +289,7 @@ class Runtime:
                 "competing kernel) or emulate"
             )
         self.comm_detector = ResiHPDetector(self.config.detector)
-        # (modelled healthy seconds, observed seconds, the collective's group: (lowest rank, size))
+        # (modelled healthy seconds, observed seconds, the collective's group: (CRC of its ranks, size))
         self._comm: list[tuple[float, float, tuple[int, int]]] = []
         self.predictor = WorkloadPredictor(self.config.predictor)
         self.detector = ResiHPDetector(self.config.detector)
@@ -423,7 +423,7 @@ class Runtime:
 
     def _comm_group(self, ranks: Sequence[int] | None) -> tuple[int, int]:
         if ranks is None:
-            return (0, self.world)
+            return (zlib.crc32(repr(list(range(self.world))).encode()), self.world)
         members = set(ranks)
         if not members or not all(isinstance(r, int) and 0 <= r < self.world for r in members):
             raise ValueError(f"comm_timed(ranks={list(ranks)!r}): ranks of the group, in [0, {self.world})")
@@ -432,7 +432,8 @@ class Runtime:
                 f"comm_timed(ranks={sorted(members)}) on rank {self.rank}: time a collective on the ranks "
                 "that take part in it (this rank is not one of them)"
             )
-        return (min(members), len(members))
+        # the whole member set (a CRC of it): TP {0, 1} and DP {0, 2} share their lowest rank and size
+        return (zlib.crc32(repr(sorted(members)).encode()), len(members))
 
     def probe_links(self, seconds: float) -> list[float]:
         """Validation: every rank sends a probe to its ring successor and times it (``seconds`` healthy;
@@ -541,23 +542,28 @@ class Runtime:
             acc[0] += m
             acc[1] += o
         self._comm = []
-        if len(groups) > _MAX_COMM_GROUPS:
-            raise ValueError(
-                f"rank {self.rank}, step {self.step}: comm_timed over {len(groups)} different groups in one "
-                f"step; the runtime judges at most {_MAX_COMM_GROUPS} per rank (time one per group)"
-            )
-        mine = torch.zeros(_MAX_COMM_GROUPS, 4, dtype=torch.float64)  # rows: lowest rank, size, m, o
-        for i, ((low, size), (m, o)) in enumerate(sorted(groups.items())):
-            mine[i] = torch.tensor([low, size, m, o], dtype=torch.float64)
-        rows = [torch.zeros(_MAX_COMM_GROUPS, 4, dtype=torch.float64) for _ in range(self.world)]
+        # rows: the group's CRC and size, m, o; the last row holds this rank's group count, so that a rank
+        # over the limit makes every rank raise after the all-gather (raised alone, it left the others
+        # waiting in it until the group's timeout)
+        mine = torch.zeros(_MAX_COMM_GROUPS + 1, 4, dtype=torch.float64)
+        for i, ((crc, size), (m, o)) in enumerate(sorted(groups.items())[:_MAX_COMM_GROUPS]):
+            mine[i] = torch.tensor([crc, size, m, o], dtype=torch.float64)
+        mine[-1, 0] = len(groups)
+        rows = [torch.zeros(_MAX_COMM_GROUPS + 1, 4, dtype=torch.float64) for _ in range(self.world)]
         self._allgather(rows, mine)
-        timed = [[(int(g[0]), int(g[1]), float(g[2]), float(g[3])) for g in r if g[1] > 0] for r in rows]
+        over = [(r, int(row[-1, 0])) for r, row in enumerate(rows) if row[-1, 0] > _MAX_COMM_GROUPS]
+        if over:
+            raise ValueError(
+                f"step {self.step}: rank {over[0][0]} timed comm_timed over {over[0][1]} different groups in "
+                f"one step; the runtime judges at most {_MAX_COMM_GROUPS} per rank (time one per group)"
+            )
+        timed = [[(int(g[0]), int(g[1]), float(g[2]), float(g[3])) for g in r[:-1] if g[1] > 0] for r in rows]
         if not any(m > 0 for r in timed for _, _, m, _ in r):
             return None
         units: dict[int, list[tuple[float, float]]] = {}
         for r in timed:
-            for low, size, m, o in r:
-                units.setdefault(low * (self.world + 1) + size, []).append((m, o))
+            for crc, size, m, o in r:
+                units.setdefault(crc * 4096 + size, []).append((m, o))
         return _CommStep(
             modelled=[sum(m for _, _, m, _ in r) for r in timed],
             observed=[sum(o for _, _, _, o in r) for r in timed],

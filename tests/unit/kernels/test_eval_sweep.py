@@ -191,3 +191,35 @@ def test_a_crash_names_the_candidates_failing_line(pools):
     verdict, reason = _verdict(checked, SOFTMAX, _candidate("return helper(a[0])", prelude=helpers))
     assert verdict == "crashed" and "in deep\n" in reason and "x.view(3, -1, 7)" in reason, reason
     assert "_ops.py" not in reason and "evaluate.py" not in reason, reason
+
+
+def test_review_of_the_sweep_fixes_torch_compile_numpy_inputs_and_numpy_init(pools):
+    # Found reviewing the fixes above: torch.compile's dynamo rebinds Module.__init__ (taken for a patch),
+    # a numpy input was "mutated" (== on arrays is elementwise), and ModelNew's numpy draws were unseeded
+    checked, _ = pools
+    compiled = _candidate(
+        "return self.f(a[0])", init="self.f = torch.compile(lambda x: x * 2.0, backend='eager')"
+    )
+    verdict, reason = _verdict(checked, _problem("c", "return a[0] + a[0]", "[torch.randn(8)]"), compiled)
+    assert verdict == "correct", reason
+    numpy_in = _problem(
+        "np", "return a[0][torch.as_tensor(a[1])]", "[torch.randn(8), __import__('numpy').array([0, 3, 5])]"
+    )
+    verdict, reason = _verdict(
+        checked, numpy_in, _candidate("return torch.index_select(a[0], 0, torch.tensor(a[1]))")
+    )
+    assert verdict == "correct", reason
+    src = HEAD + (
+        "import numpy as np\nclass Model(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.register_buffer('p', torch.as_tensor(np.random.permutation(8)))\n"
+        "    def forward(self, x):\n        return x[self.p]\n"
+        "def get_inputs():\n    return [torch.randn(8)]\ndef get_init_inputs():\n    return []\n"
+    )
+    cand = HEAD + (
+        "import numpy as np\nclass ModelNew(nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.register_buffer('p', torch.as_tensor(np.random.permutation(8)))\n"
+        "    def forward(self, x):\n        return torch.index_select(x, 0, self.p)\n"
+    )
+    verdict, reason = _verdict(checked, Problem(name="perm", source=src), cand)
+    assert verdict == "correct", reason

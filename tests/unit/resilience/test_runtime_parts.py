@@ -272,3 +272,23 @@ def test_an_elastic_node_rank_outside_the_job_is_refused():
 
     with pytest.raises(ValueError, match=r"node_rank must be in 0\.\.0 \(one per host of nnodes=1\), got 3"):
         launch(toy_train, 2, 3, node_rank=3)
+
+
+def test_overlapping_comm_groups_are_judged_apart():
+    # Found in review (2026-12-05): groups were keyed by (lowest rank, size), so TP {0, 1} and DP {0, 2}
+    # were one detector unit
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.runtime import Runtime
+
+    class _Four:
+        def rank(self) -> int:
+            return 0
+
+        def size(self) -> int:
+            return 4
+
+    rt = Runtime(_Four(), stage_model())
+    assert rt._comm_group([0, 1]) != rt._comm_group([0, 2])
+    assert rt._comm_group([2, 0]) == rt._comm_group([0, 2]) and rt._comm_group(None) == rt._comm_group(
+        range(4)
+    )
