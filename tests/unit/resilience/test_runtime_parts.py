@@ -47,13 +47,6 @@ def test_link_localization_from_ring_probes():
     from steptune.resilience.live import stage_model
     from steptune.resilience.runtime import LinkFault, Runtime
 
-    class _Four:
-        def rank(self) -> int:
-            return 0
-
-        def size(self) -> int:
-            return 4
-
     rt = Runtime(_Four(), stage_model())
     # Probe r times link r -> r+1. Rank 2's NIC carries links 1->2 and 2->3.
     nic = rt._localize([1.0, 4.1, 3.9, 1.02], 1.0)
@@ -74,6 +67,16 @@ def test_link_localization_from_ring_probes():
         rt.comm_timed(0.1, ranks=[1, 3]).__enter__()
     with pytest.raises(ValueError, match=r"ranks of the group, in \[0, 4\)"):
         rt.comm_timed(0.1, ranks=[0, 4]).__enter__()
+
+
+class _Four:
+    """Rank 0 of a four-rank group, for what Runtime does without messaging."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 4
 
 
 class _One:
@@ -279,13 +282,6 @@ def test_overlapping_comm_groups_are_judged_apart():
     # were one detector unit
     from steptune.resilience.live import stage_model
     from steptune.resilience.runtime import Runtime
-
-    class _Four:
-        def rank(self) -> int:
-            return 0
-
-        def size(self) -> int:
-            return 4
 
     rt = Runtime(_Four(), stage_model())
     assert rt._comm_group([0, 1]) != rt._comm_group([0, 2])
