@@ -1,6 +1,7 @@
 """``steptune resilience elastic``: a user's own loop from a file, one rank SIGKILLed, the rest go on."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -26,8 +27,10 @@ def train(ctx, steps, kill="none"):
             mine = list(ctx.shard(len(x)))
             loss = ((model(x[mine]) - x[mine].sum(1, keepdim=True)) ** 2).sum() / len(x)
             loss.backward()
-            if kill == f"{ctx.orig}:{ctx.step}":
+            if f"{ctx.orig}:{ctx.step}" in kill.split(","):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if f"{ctx.orig}:{ctx.step}:stop" in kill.split(","):
+                os.kill(os.getpid(), signal.SIGSTOP)  # hung, not dead
             losses[ctx.step] = ctx.sync(model, loss)
             opt.step()
             opt.zero_grad()
@@ -45,14 +48,15 @@ def test_a_loop_from_a_file_survives_a_kill(tmp_path, capsys):
     script.write_text(TRAIN)
     (tmp_path / "json.py").write_text("raise SystemExit('a neighbour named json.py was imported')\n")
     out = tmp_path / "res.json"
-    opts = ["--nproc-per-node", "3", "--json", str(out)]
-    args = ["resilience", "elastic", *opts, f"{script}:train", "5", "1:2"]
+    opts = ["--nproc-per-node", "3", "--json", str(out), "--group-timeout", "2", "--hang-timeout", "3"]
+    args = ["resilience", "elastic", *opts, f"{script}:train", "5", "1:2,2:1:stop"]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert "rank 1 lost (SIGKILL)" in text and "survivors [0, 2]" in text, text
+    assert "rank 1 lost (SIGKILL)" in text and "survivors [0]" in text, text
+    assert re.search(r"rank 2 lost \(hung: silent \d+(\.\d)? s as its peers rejoined; killed\)", text), text
     res = json.loads(out.read_text())
-    assert res["survivors"] == [0, 2] and sorted(res["results"]) == ["0", "2"]
-    assert res["results"]["0"] == res["results"]["2"] and len(res["results"]["0"]) == 5
+    assert res["survivors"] == [0] and sorted(res["results"]) == ["0"] and list(res["hung"]) == ["2"], res
+    assert len(res["results"]["0"]) == 5
 
 
 @pytest.mark.parametrize(

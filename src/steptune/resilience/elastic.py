@@ -59,6 +59,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 import weakref
@@ -79,7 +80,7 @@ from steptune.core.dist import (
     pack_grads,
     unpack_grads,
 )
-from steptune.resilience.failstop import finish, run_failstop
+from steptune.resilience.failstop import finish, hang_seconds, run_failstop
 from steptune.resilience.peer_state import EXACT, PeerState, SettleFailed
 from steptune.resilience.recovery import NotListed, Snapshots, rejoin
 
@@ -95,7 +96,7 @@ class Elastic:
 
     def __init__(
         self, store: Any, orig: int, members: list[int], *, timeout_s: float = 20.0, host: str = LOOPBACK,
-        fence: str | None = None,
+        fence: str | None = None, hang_s: float | None = None,
     ) -> None:  # fmt: skip
         self.orig = orig  # the rank this process was started as; never changes
         self._host = host  # the address this rank's gloo device binds to
@@ -107,6 +108,7 @@ class Elastic:
         self.recoveries: list[dict[str, Any]] = []
         self._store = store
         self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._hang_s = hang_s  # the launcher's patience with a silent rank (recovery.rejoin waits longer)
         self._state: Snapshots | PeerState | None = None
         self._tracked: tuple[Any, ...] = ()
         self._restore = "peer"
@@ -301,7 +303,9 @@ class Elastic:
         state.zero_grad()  # the abandoned step's partial gradients
         gen, source = self.generation + 1, None
         while True:
-            joined: Any = rejoin(self._store, self.orig, gen, self._step, self._timeout, host=self._host)
+            joined: Any = rejoin(
+                self._store, self.orig, gen, self._step, self._timeout, host=self._host, hang_s=self._hang_s
+            )
             self.members, self._group, self.generation = joined.members, joined.group, joined.generation
             resume = joined.resume
             joined = None  # it holds the group: only self._group (or _lost) may, once it breaks
@@ -346,15 +350,30 @@ def _worker(orig: int, world: int, port: int, spec: dict[str, Any], out: Any) ->
         os.kill(os.getpid(), signal.SIGKILL)
     ctx = Elastic(
         store, orig, list(spec.get("members", range(world))), timeout_s=float(spec["group_timeout_s"]),
-        host=spec.get("host", LOOPBACK), fence=spec.get("fence"),
+        host=spec.get("host", LOOPBACK), fence=spec.get("fence"), hang_s=spec.get("hang_timeout_s"),
     )  # fmt: skip
+    finish(out, (orig, {}, _outcome(orig, spec, ctx)))
+
+
+def _outcome(orig: int, spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Run the user's function: its result and recoveries, or ``{"error": traceback}``, which stops the job
+    (not a death the others should survive). ``sys.exit(0)`` ends this rank as a return of None would
+    (the others go on without it); ``sys.exit(n)`` is an error."""
     try:
-        result = spec["fn"](ctx, *spec["args"])
+        try:
+            result = spec["fn"](ctx, *spec["args"])
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise RuntimeError(
+                    f"rank {orig} called sys.exit({exc.code!r}) inside the training function: the job is "
+                    "stopped (raise an exception to stop it with a message; return to end this rank)"
+                ) from exc
+            result = None
         info = {"result": result, "generation": ctx.generation, "recoveries": ctx.recoveries}
         pickle.dumps(info)  # the queue pickles in a thread of its own, whose failure reaches only stderr
-    except Exception:  # the user's code: reported, not mistaken for a death the others should survive
-        finish(out, (orig, {}, {"error": traceback.format_exc()}))
-    finish(out, (orig, {}, info))
+    except Exception:
+        return {"error": traceback.format_exc()}
+    return info
 
 
 def _all_started(store: Any, orig: int, members: list[int], wait_s: float = 120.0) -> bool:
@@ -407,15 +426,19 @@ def launch(
     fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float | None = None,
     group_timeout_s: float = 20.0, threads: int = 1, nnodes: int = 1, node_rank: int = 0,
     master: str | None = None, host: str | None = None, node_timeout_s: float = 5.0,
-    start_method: str | None = None,
+    start_method: str | None = None, hang_timeout_s: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Run ``fn(ctx, *args)`` in ``nprocs`` spawned processes on loopback gloo (``fn`` and ``args`` must
     pickle: a module-level function). Returns ``{"results": {orig rank: fn's return value}, "survivors",
-    "lost": {orig rank: exit code}, "recoveries": {orig rank: [...]}, "wall_s"}``. Raises
+    "lost": {orig rank: exit code}, "hung": {orig rank: seconds silent}, "recoveries": {orig rank: [...]},
+    "wall_s"}``. Raises
     ``RuntimeError`` with the traceback when ``fn`` raises on a rank (or returns something that does not
     pickle), ``TimeoutError`` past ``timeout_s`` (default: no limit). ``group_timeout_s``: how long a
-    collective waits for a silent peer. ``start_method``: ``spawn`` (default) or ``forkserver``
-    (``core.dist.start_context``; one host only).
+    collective waits for a silent peer. ``hang_timeout_s``: how long a rank may stay silent once its peers
+    are rejoining before the launcher takes it for hung, SIGKILLs it and goes on without it (default:
+    twice the group timeout, 10 s at least; ``failstop.hang_seconds``). A rank that calls ``sys.exit(0)``
+    is done (its result is None); ``sys.exit(n)`` stops the job. ``start_method``: ``spawn`` (default) or
+    ``forkserver`` (``core.dist.start_context``; one host only).
 
     Across hosts: call it on each of ``nnodes`` hosts with its ``node_rank`` and the same ``master``
     (``HOST:PORT`` of node 0, or ``file:PATH`` on a shared filesystem), ``host`` this host's address
@@ -424,7 +447,11 @@ def launch(
     only."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    for name, value in (("group_timeout_s", group_timeout_s), ("node_timeout_s", node_timeout_s)):
+    if hang_timeout_s is None:
+        hang_timeout_s = hang_seconds(group_timeout_s) if isinstance(group_timeout_s, int | float) else 0.0
+    named = (("group_timeout_s", group_timeout_s), ("node_timeout_s", node_timeout_s),
+             ("hang_timeout_s", hang_timeout_s))  # fmt: skip
+    for name, value in named:
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
             raise ValueError(f"launch: {name} must be a finite number of seconds > 0, got {value!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -449,17 +476,19 @@ def launch(
         return launch_nodes(
             fn, nprocs, *args, nnodes=nnodes, node_rank=node_rank, master=master, host=host,
             timeout_s=timeout_s, group_timeout_s=group_timeout_s, threads=threads,
-            node_timeout_s=node_timeout_s,
+            node_timeout_s=node_timeout_s, hang_timeout_s=hang_timeout_s,
         )  # fmt: skip
     if timeout_s is None:
         timeout_s = math.inf
     spec = {"ranks": nprocs, "mode": "survive", "timeout_s": timeout_s, "fn": fn, "args": args,
-            "group_timeout_s": group_timeout_s, "threads": threads, "start_method": start_method}  # fmt: skip
+            "group_timeout_s": group_timeout_s, "threads": threads, "start_method": start_method,
+            "hang_timeout_s": hang_timeout_s}  # fmt: skip
     res = run_failstop(spec, _worker)
     return {
         "results": {r: info["result"] for r, info in sorted(res["infos"].items())},
         "survivors": res["survivors"],
         "lost": res["lost"],  # rank -> exit code: -9 SIGKILLed, 1 an exception (its traceback on stderr)
+        "hung": res["hung"],  # rank -> seconds it stayed silent before the launcher killed it (also lost)
         "recoveries": {r: info["recoveries"] for r, info in sorted(res["infos"].items())},
         "wall_s": res["wall_s"],
     }
@@ -471,6 +500,7 @@ def toy_train(
     sync_kills: list[list[int]] | None = None, sync_misses: list[list[int]] | None = None,
     agent_kills: list[list[int]] | None = None, ddp: str | None = None,
     forward_kills: list[list[int]] | None = None, restore: str = "peer", lr_decay: float | None = None,
+    hangs: list[list[int]] | None = None, exits: list[list[int]] | None = None,
 ) -> dict[int, float]:  # fmt: skip
     """The loop of the module docstring on a small MLP (the tests' training function): every step a
     global batch of 24 items from ``seed`` and the step, this rank's share of it, AdamW. Fault injection
@@ -489,7 +519,9 @@ def toy_train(
     ``kills`` and ``errors`` then strike before the backward, so the peers' backward all-reduce fails. The
     model has a buffer, which DDP broadcasts in each forward; ``forward_kills`` die before the forward, so
     that broadcast fails on the peers. ``restore``: ``ctx.track``'s recovery mode. ``lr_decay``: a tracked
-    ``StepLR`` with that gamma, stepped at each step's very end (after the metric of ``late_kills``)."""
+    ``StepLR`` with that gamma, stepped at each step's very end (after the metric of ``late_kills``).
+    ``hangs`` SIGSTOP that rank before the sync (hung, not dead); ``exits`` ([[rank, step, code], ...])
+    call ``sys.exit(code)`` there."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -517,6 +549,11 @@ def toy_train(
             if [ctx.orig, ctx.step] in (agent_kills or []):
                 os.kill(os.getppid(), signal.SIGKILL)
                 time.sleep(60)  # the agent's death kills this rank too (PR_SET_PDEATHSIG)
+            if [ctx.orig, ctx.step] in (hangs or []):
+                os.kill(os.getpid(), signal.SIGSTOP)
+            for rank, step, code in exits or []:
+                if (rank, step) == (ctx.orig, ctx.step):
+                    sys.exit(code)
             for rank, step, seconds in stalls or []:
                 if (rank, step) == (ctx.orig, ctx.step) and ctx.generation == 0:
                     time.sleep(seconds)

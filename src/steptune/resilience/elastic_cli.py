@@ -81,13 +81,15 @@ def _run(args: argparse.Namespace) -> int:
         res = launch(
             fn, args.nproc_per_node, *fn_args, timeout_s=args.timeout, group_timeout_s=args.group_timeout,
             threads=args.threads, nnodes=args.nnodes, node_rank=args.node_rank, master=args.master,
-            host=args.host, node_timeout_s=args.node_timeout,
+            host=args.host, node_timeout_s=args.node_timeout, hang_timeout_s=args.hang_timeout,
         )  # fmt: skip
     except (RuntimeError, TimeoutError) as err:  # the job stopped: a rank's own error, or out of time
         print(f"steptune resilience elastic: {err}", file=sys.stderr)
         return 1
     for rank, code in sorted(res["lost"].items()):
-        print(f"rank {rank} lost ({lost_reason(code)})")
+        hung = res.get("hung", {}).get(rank)
+        why = lost_reason(code) if hung is None else f"hung: silent {hung:g} s as its peers rejoined; killed"
+        print(f"rank {rank} lost ({why})")
     for rank, recs in sorted(res["recoveries"].items()):
         for rec in recs:
             print(f"rank {rank}: {recovery_text(rec)}")
@@ -120,6 +122,11 @@ def register(verbs: Any) -> None:
     e.add_argument("--host", default=None, help="this host's address for gloo (default: the route to node 0)")
     e.add_argument("--group-timeout", type=positive_float, default=20.0, help="seconds a collective waits")
     e.add_argument("--node-timeout", type=positive_float, default=5.0, help="silent seconds that lose a host")
+    e.add_argument(
+        "--hang-timeout", type=positive_float, default=None,
+        help="seconds a rank may stay silent while its peers rejoin before it is killed as hung "
+        "(default: twice --group-timeout, 10 s at least)",
+    )  # fmt: skip
     e.add_argument(
         "--timeout", type=positive_float, default=None, help="seconds for the whole job (default: no limit)"
     )

@@ -112,9 +112,12 @@ class _Watch:
     in ``events`` (the ranks' keys are read only when it moved) and their beats in ``node/<K>/beat`` (one
     ``multi_get`` for every node)."""
 
-    def __init__(self, store: Any, world: int, nprocs: int, nnodes: int, node_timeout_s: float) -> None:
+    def __init__(
+        self, store: Any, world: int, nprocs: int, nnodes: int, node_timeout_s: float,
+        hang_s: float | None = None,
+    ) -> None:  # fmt: skip
         self.store, self.nprocs, self.node_timeout_s = store, nprocs, node_timeout_s
-        self.coord = Coordinator(store, set(range(world)))
+        self.coord = Coordinator(store, set(range(world)), hang_s=hang_s, kill=self._kill)
         self.events_seen, self.scanned = -1, -math.inf
         t0 = time.monotonic()
         self.beats: dict[int, tuple[int, float]] = {k: (0, t0) for k in range(1, nnodes)}  # count, since
@@ -164,6 +167,12 @@ class _Watch:
             return str(err)
         return None
 
+    def _kill(self, ranks: list[int]) -> None:
+        """Hung ranks: their agents SIGKILL them (``kill/<rank>``, counted in ``node/<K>/kills``)."""
+        for r in ranks:
+            self.store.set(f"kill/{r}", "1")
+            self.store.add(f"node/{r // self.nprocs}/kills", 1)
+
     def live_nodes(self) -> list[int]:
         """Nodes other than 0 not taken for lost."""
         return [k for k, (_, since) in self.beats.items() if since != math.inf]
@@ -179,12 +188,12 @@ def _wait_acks(store: Any, nodes: list[int], wait_s: float = 10.0) -> None:
 def launch_nodes(
     fn: Callable[..., Any], nprocs: int, *args: Any, nnodes: int, node_rank: int, master: str,
     host: str | None = None, timeout_s: float | None = None, group_timeout_s: float = 20.0, threads: int = 1,
-    node_timeout_s: float = 5.0,
+    node_timeout_s: float = 5.0, hang_timeout_s: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """This host's part of an elastic job of ``nnodes`` hosts x ``nprocs`` ranks (see ``elastic.launch``,
     which calls this when ``nnodes > 1`` or ``master`` is given). Returns ``{"results": {orig rank: fn's
-    return value} for this host's finished ranks, "survivors" and "lost" (the whole job's), "recoveries"
-    (this host's), "wall_s"}``."""
+    return value} for this host's finished ranks, "survivors", "lost" and "hung" (the whole job's),
+    "recoveries" (this host's), "wall_s"}``."""
     from steptune.resilience import elastic
 
     if not 0 <= node_rank < nnodes:
@@ -198,7 +207,7 @@ def launch_nodes(
     mine = list(range(node_rank * nprocs, (node_rank + 1) * nprocs))
     spec = {"ranks": world, "mode": "survive", "fn": fn, "args": args, "group_timeout_s": group_timeout_s,
             "threads": threads, "store_host": store_host, "host": host,
-            "fence": f"node/{node_rank}/lost"}  # fmt: skip
+            "fence": f"node/{node_rank}/lost", "hang_timeout_s": hang_timeout_s}  # fmt: skip
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = {
@@ -207,7 +216,8 @@ def launch_nodes(
     t0 = time.time()
     for p in procs.values():
         p.start()
-    watch = _Watch(store, world, nprocs, nnodes, node_timeout_s) if node_rank == 0 else None
+    watch = _Watch(store, world, nprocs, nnodes, node_timeout_s, hang_timeout_s) if node_rank == 0 else None
+    kills_seen = 0
     deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
     infos: dict[int, Any] = {}
     reported: set[int] = set()
@@ -237,6 +247,12 @@ def launch_nodes(
                 reported.add(r)
             if exited:
                 store.add("events", 1)
+            kills = int(store.add(f"node/{node_rank}/kills", 0))
+            if kills != kills_seen:  # node 0 took some of this host's ranks for hung
+                kills_seen = kills
+                for r, p in procs.items():
+                    if p.is_alive() and store.check([f"kill/{r}"]):
+                        p.kill()
             if store.check(["job/stop"]):
                 stop = json.loads(store.get("job/stop").decode())
                 store.set(f"node/{node_rank}/ack", "1")
@@ -258,7 +274,8 @@ def launch_nodes(
                     _wait_acks(store, watch.live_nodes())
                     raise (TimeoutError if kind == "timeout" else RuntimeError)(stop)
                 if watch.coord.done:
-                    end = {"survivors": sorted(watch.coord.alive), "lost": watch.coord.lost}
+                    end = {"survivors": sorted(watch.coord.alive), "lost": watch.coord.lost,
+                           "hung": watch.coord.hung}  # fmt: skip
                     store.set("job/end", json.dumps(end))
         end = json.loads(store.get("job/end").decode())
         if watch is None:
@@ -288,6 +305,7 @@ def launch_nodes(
         "results": {r: info["result"] for r, info in sorted(infos.items())},
         "survivors": end["survivors"],
         "lost": {int(r): code for r, code in end["lost"].items()},
+        "hung": {int(r): s for r, s in end["hung"].items()},
         "recoveries": {r: info["recoveries"] for r, info in sorted(infos.items())},
         "wall_s": time.time() - t0,
     }

@@ -32,7 +32,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -50,6 +50,7 @@ __all__ = [
     "compare_failstop",
     "doomed",
     "finish",
+    "hang_seconds",
     "run_failstop",
     "split_sync",
 ]
@@ -174,19 +175,36 @@ def split_sync(spec: dict[str, Any], orig: int, step: int, gen: int) -> Iterator
 _MAX_IDLE_RELISTS = 3
 
 
+def hang_seconds(group_timeout_s: float) -> float:
+    """The default for how long the launcher waits for a rank that stays silent while its peers rejoin
+    (``Coordinator``'s ``hang_s``). Its peers already waited one group timeout for it in the collective
+    that failed; a rank that then stays silent for twice as long again (10 s at least, for a loaded host)
+    is hung (SIGSTOP, a deadlock, a GPU that stopped answering), not slow."""
+    return max(10.0, 2.0 * float(group_timeout_s))
+
+
 class Coordinator:
     """The launcher's side of survival: which ranks are alive and finished, and the member lists it writes
     to the store (``members/<gen>``; see ``recovery.rejoin`` for the ranks' side). Fed with events by
     whoever watches the ranks: ``run_failstop`` on one host, ``elastic_nodes`` across hosts."""
 
-    def __init__(self, store: Any, ranks: set[int], *, survive: bool = True) -> None:
-        self.store, self.survive = store, survive
+    def __init__(
+        self, store: Any, ranks: set[int], *, survive: bool = True, hang_s: float | None = None,
+        kill: Callable[[list[int]], None] | None = None,
+    ) -> None:  # fmt: skip
+        """``hang_s``: a rank still silent that long after a peer announced itself for the next
+        generation (see ``recovery.rejoin``) is hung: ``kill(ranks)`` ends it and it is lost (None: wait
+        for it as long as the ranks do)."""
+        self.store, self.survive, self.hang_s, self.kill = store, survive, hang_s, kill
         self.alive = set(ranks)  # not dead (finished ones included)
         self.finished: set[int] = set()
         self.lost: dict[int, int | None] = {}  # rank -> exit code (-9: SIGKILLed; 1: an exception)
+        self.hung: dict[int, float] = {}  # rank -> seconds it stayed silent before it was killed
         self.gen = 0
         self.listed = sorted(ranks)  # the last member list written (generation ``gen``)
         self._idle: tuple[int, int] = (-1, 0)  # (step, count) of relists in a row with nobody dead
+        self._formed_gen = 0  # the last generation known formed (formed is final)
+        self._silent_since: tuple[int, float] | None = None  # (generation, when) a rank first announced
 
     @property
     def done(self) -> bool:
@@ -228,8 +246,15 @@ class Coordinator:
         silent: not listed here). The same failure at the same step every time is no fail-stop: after
         ``_MAX_IDLE_RELISTS`` such relists in a row the job is stopped."""
         waiting = self.alive - self.finished
-        if not (self.survive and _all_rejoining(self.store, self.gen + 1, waiting)):
+        if not self.survive or not waiting:
             return
+        # Ranks count their announcements (recovery._listed): an idle poll is this one store call.
+        count = int(self.store.add(f"rejoining/{self.gen + 1}", 0))
+        if count < len(waiting) or not _all_rejoining(self.store, self.gen + 1, waiting):
+            if self.hang_s is not None:
+                self._watch_silent(waiting, count)
+            return
+        self._silent_since = None
         step = min(int(self.store.get(f"alive/{self.gen + 1}/{r}").decode()) for r in waiting)
         count = self._idle[1] + 1 if self._idle[0] == step else 1
         if count > _MAX_IDLE_RELISTS:
@@ -240,6 +265,34 @@ class Coordinator:
             )
         self._idle = (step, count)
         self.relist()
+
+    def _watch_silent(self, waiting: set[int], next_count: int) -> None:
+        """A rank that stays silent ``hang_s`` after a peer announced itself for the pending generation
+        (the listed one, not formed yet, or the next; ``next_count`` announced for the next) is hung: it is
+        killed and lost, and the rest are listed."""
+        gen, expect, count = self.gen + 1, waiting, next_count
+        if self.gen > self._formed_gen:
+            if _formed(self.store, self.gen):
+                self._formed_gen = self.gen  # formed is final: not read again
+            else:
+                gen, expect = self.gen, waiting & set(self.listed)
+                count = int(self.store.add(f"rejoining/{gen}", 0))
+        silent = [] if count == 0 else sorted(r for r in expect if not self.store.check([f"alive/{gen}/{r}"]))
+        if not silent:
+            self._silent_since = None
+            return
+        now = time.monotonic()
+        if self._silent_since is None or self._silent_since[0] != gen:
+            self._silent_since = (gen, now)
+            return
+        waited = now - self._silent_since[1]
+        if waited < float(self.hang_s or 0.0):
+            return
+        self._silent_since = None
+        self.hung.update({r: round(waited, 1) for r in silent})
+        if self.kill is not None:
+            self.kill(silent)
+        self.died({r: -signal.SIGKILL for r in silent})
 
 
 def _all_rejoining(store: Any, gen: int, ranks: set[int]) -> bool:
@@ -280,7 +333,13 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
     t0 = time.time()
     for p in procs.values():
         p.start()
-    coord = Coordinator(store, set(procs), survive=spec.get("mode") != "restart")
+    hang_s = spec.get("hang_timeout_s") or hang_seconds(spec.get("group_timeout_s", 20.0))
+
+    def kill(ranks: list[int]) -> None:
+        for r in ranks:
+            procs[r].kill()
+
+    coord = Coordinator(store, set(procs), survive=spec.get("mode") != "restart", hang_s=hang_s, kill=kill)
     alive, finished, infos = coord.alive, {}, {}
     deadline = t0 + float(spec.get("timeout_s", 300))
     restarts = 0
@@ -348,6 +407,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
         "losses_by_rank": finished,
         "survivors": sorted(alive),
         "lost": coord.lost,
+        "hung": coord.hung,
         "restarts": restarts,
     }
 

@@ -117,7 +117,7 @@ class Snapshots:
 
 def rejoin(
     store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta, *, epoch: int = 0,
-    die: bool = False, host: str = LOOPBACK,
+    die: bool = False, host: str = LOOPBACK, hang_s: float | None = None,
 ) -> Rejoined:  # fmt: skip
     """After a failed collective: announce this rank alive for generation ``gen``, wait for the launcher's
     member list, build the survivors' group and agree on the step to resume from (the lowest one any
@@ -125,14 +125,15 @@ def rejoin(
     rank's count of committed state copies). A member that dies during this (a second failure in the
     recovery window) never announces itself, or breaks the new group; the launcher then lists the survivors
     again as generation ``gen + 1`` and this rank joins that one. ``die``: SIGKILL this rank first (fault
-    injection: a death during recovery). ``host``: the address this rank's gloo device binds to."""
+    injection: a death during recovery). ``host``: the address this rank's gloo device binds to. ``hang_s``:
+    the launcher's patience with a silent rank (``failstop.Coordinator``); this rank waits longer for it."""
     if die:  # once the launcher has listed this rank among the survivors: the others must supersede it
         store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
         os.kill(os.getpid(), signal.SIGKILL)
     lost = LostGroups()
     while True:
         try:
-            members, group, resume, agreed = _join(store, orig, gen, step, epoch, timeout, host, lost)
+            members, group, resume, agreed = _join(store, orig, gen, step, epoch, timeout, host, lost, hang_s)
             return Rejoined(members, group, resume, gen, agreed)
         except (_Superseded, RuntimeError):  # RuntimeError: a member died after announcing itself
             pass
@@ -243,12 +244,12 @@ class _Superseded(Exception):
 
 def _join(
     store: Any, orig: int, gen: int, step: int, epoch: int, timeout: datetime.timedelta, host: str,
-    lost: LostGroups,
+    lost: LostGroups, hang_s: float | None = None,
 ) -> tuple[list[int], Any, int, int]:  # fmt: skip
     """One generation's rejoin. Store failures end the recovery (ConnectionError, TimeoutError: no retry
     can help); a RuntimeError means the new group broke (it is left in ``lost``), and the caller tries the
     next generation."""
-    members = _listed(store, orig, gen, step, timeout)
+    members = _listed(store, orig, gen, step, timeout, hang_s)
     group = new_gloo_group(
         store, members.index(orig), len(members), prefix=f"gen{gen}", timeout=timeout, host=host
     )
@@ -263,15 +264,22 @@ def _join(
     return members, group, int(done[0].item()), -int(done[1].item())
 
 
-def _listed(store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta) -> list[int]:
-    """The launcher's survivors for ``gen``, once every one of them has announced itself."""
+def _listed(
+    store: Any, orig: int, gen: int, step: int, timeout: datetime.timedelta, hang_s: float | None = None
+) -> list[int]:
+    """The launcher's survivors for ``gen``, once every one of them has announced itself. Its waits outlast
+    the launcher's patience with a silent rank (``hang_s``, default ``failstop.hang_seconds``), so that the
+    launcher, not a timeout here, decides that a rank is hung."""
+    patience = hang_s if hang_s is not None else max(10.0, 2 * timeout.total_seconds())
     try:
         store.set(f"alive/{gen}/{orig}", str(step))
+        store.add(f"rejoining/{gen}", 1)  # the launcher's one-call test for "someone announced"
+        list_s = max(60.0, patience + 30.0)
         try:
-            store.wait([f"members/{gen}"], datetime.timedelta(seconds=60))
+            store.wait([f"members/{gen}"], datetime.timedelta(seconds=list_s))
         except dist.DistStoreError as err:
             raise TimeoutError(
-                f"rank {orig}: the launcher listed no survivors for generation {gen} within 60 s"
+                f"rank {orig}: the launcher listed no survivors for generation {gen} within {list_s:g} s"
             ) from err
         members: list[int] = json.loads(store.get(f"members/{gen}").decode())
         if orig not in members:
@@ -286,7 +294,7 @@ def _listed(store: Any, orig: int, gen: int, step: int, timeout: datetime.timede
         announced = [f"alive/{gen}/{m}" for m in members]
         fate_key = f"fate/{gen}"
         # Peers may reach this generation one group timeout late (a group that failed to form before).
-        wait_s = 2 * timeout.total_seconds() + 10
+        wait_s = max(2 * timeout.total_seconds(), patience) + 10
         deadline = time.monotonic() + wait_s
         while True:
             if store.check(announced):

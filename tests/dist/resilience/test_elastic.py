@@ -188,6 +188,24 @@ def test_a_peer_slower_than_the_group_timeout_is_waited_for_and_the_step_redone_
         assert _max_rel(res["results"][rank], _reference(6)) <= 1e-5, res
 
 
+def test_a_hung_rank_is_killed_and_survived_and_a_rank_that_exits_0_is_done():
+    # Rank 1 stops (SIGSTOP) before step 2's sync; rank 2 calls sys.exit(0) in step 4. Before, the hung
+    # rank's peers waited 60 s for a member list and the job stopped without naming it; sys.exit(0) was
+    # taken for a death. Now the launcher kills rank 1 once it is silent for hang_timeout_s while its peers
+    # rejoin, and rank 2 is done (its result None); rank 0 trains on alone, losses exact.
+    train = functools.partial(toy_train, hangs=[[1, 2]], exits=[[2, 4, 0]])
+    t0 = time.time()
+    res = launch(train, 3, 6, group_timeout_s=2.0, hang_timeout_s=3.0, timeout_s=90)
+    assert time.time() - t0 < 40, res
+    assert res["lost"] == {1: -9} and 3.0 <= res["hung"][1] < 10, res
+    assert res["survivors"] == [0, 2] and res["results"][2] is None, res
+    gens = [_no_time(rec) for rec in res["recoveries"][0]]
+    assert gens[0] == {"generation": 1, "failed_at_step": 2, "resume_step": 2, "members": [0, 2],
+                       "state_from": None}, gens  # fmt: skip
+    assert gens[-1]["members"] == [0] and gens[-1]["failed_at_step"] == 4, gens
+    assert _max_rel(res["results"][0], _reference(6)) <= 1e-5, res
+
+
 def test_a_split_sync_in_the_last_step_is_redone_by_the_ranks_that_saw_it_fail():
     # Step 4 (the last) syncs on every rank, then rank 1 dies and rank 2 sees the sync fail; ranks 0 and 3
     # return. Rank 2 alone redoes step 4 with the whole global batch.

@@ -12,8 +12,9 @@ from steptune.resilience.failstop import Coordinator
 
 
 def _announce(store, gen, ranks, step):
-    for r in ranks:
+    for r in ranks:  # as recovery._listed does
         store.set(f"alive/{gen}/{r}", str(step))
+        store.add(f"rejoining/{gen}", 1)
 
 
 def test_a_death_lists_the_rest_and_a_finished_rank_is_never_listed():
@@ -42,6 +43,48 @@ def test_everyone_rejoining_with_nobody_dead_is_listed_again_until_it_stops_maki
     _announce(store, 5, [0, 1], 5)  # a fourth time at step 5: a collective that cannot complete
     with pytest.raises(RuntimeError, match="at step 5 4 times in a row with no rank dead"):
         coord.tick()
+
+
+def test_a_rank_silent_while_its_peers_rejoin_is_killed_as_hung_and_the_rest_listed():
+    # Before, nobody was listed: the peers waited 60 s for a list and the job stopped without naming rank 1.
+    store, killed = master_store(), []
+    coord = Coordinator(store, {0, 1, 2}, hang_s=0.2, kill=killed.extend)
+    _announce(store, 1, [0, 2], 3)  # rank 1 is stopped (SIGSTOP): it never announces
+    coord.tick()
+    assert not killed and not store.check(["members/1"])  # silent from now on
+    time.sleep(0.1)
+    coord.tick()
+    assert not killed  # not for long enough
+    time.sleep(0.15)
+    coord.tick()
+    assert killed == [1] and coord.lost == {1: -9} and 0.2 <= coord.hung[1] < 1, coord.hung
+    assert json.loads(store.get("members/1")) == [0, 2]
+    # Listed but silent before the group forms: ranks 0 and 2 announce for generation 1, rank 2 then hangs.
+    coord = Coordinator(store := master_store(), {0, 1, 2}, hang_s=0.1, kill=killed.extend)
+    coord.died({0: -9})
+    _announce(store, 1, [1], 3)
+    coord.tick()
+    time.sleep(0.15)
+    coord.tick()
+    assert killed == [1, 2] and json.loads(store.get("members/2")) == [1], killed
+
+
+def test_without_hang_s_a_silent_rank_is_waited_for_and_a_late_one_is_not_killed():
+    store, killed = master_store(), []
+    patient = Coordinator(store, {0, 1}, kill=killed.extend)
+    _announce(store, 1, [0], 3)
+    patient.tick()
+    time.sleep(0.05)
+    patient.tick()
+    assert not killed and not store.check(["members/1"])
+    store2 = master_store()
+    coord = Coordinator(store2, {0, 1}, hang_s=0.1, kill=killed.extend)
+    _announce(store2, 1, [0], 3)
+    coord.tick()
+    _announce(store2, 1, [1], 3)  # late, but within hang_s: everyone is listed again
+    time.sleep(0.15)
+    coord.tick()
+    assert not killed and json.loads(store2.get("members/1")) == [0, 1] and coord.hung == {}
 
 
 def test_a_rank_that_raised_stops_a_survival_job_but_not_the_restart_baseline():
@@ -163,3 +206,25 @@ def test_a_deadline_store_gives_up_on_a_silent_call_and_then_fails_fast():
         store.get("k")  # behind the blocked call: at once
     assert time.monotonic() - t0 < 2
     release.set()
+
+
+def _exits(ctx, code):
+    raise SystemExit(code)
+
+
+def test_a_ranks_sys_exit_0_is_a_return_and_sys_exit_n_an_error_that_says_so():
+    # Found in a sweep: sys.exit(0) was taken for a death and survived; sys.exit(3)'s message pointed to
+    # a traceback that SystemExit does not print.
+    from types import SimpleNamespace
+
+    from steptune.resilience.elastic import _outcome
+
+    ctx = SimpleNamespace(generation=1, recoveries=[{"generation": 1}])
+    assert _outcome(2, {"fn": _exits, "args": (0,)}, ctx) == {
+        "result": None, "generation": 1, "recoveries": [{"generation": 1}]
+    }  # fmt: skip
+    assert _outcome(2, {"fn": _exits, "args": (None,)}, ctx)["result"] is None
+    err = _outcome(2, {"fn": _exits, "args": (3,)}, ctx)["error"]
+    assert "rank 2 called sys.exit(3) inside the training function: the job is stopped" in err, err
+    assert "_exits" in err  # where it was called
+    assert "pickle" in _outcome(0, {"fn": lambda ctx: lambda: 1, "args": ()}, ctx)["error"]
