@@ -47,7 +47,10 @@ rank has announced itself, the launcher lists them all again and the step is red
 last step's sync can let it complete on some ranks, which return, and fail on others: the launcher then lists
 the others alone and they redo that step. A death before the first group forms (a bad node at start-up) is
 survived too: the ranks meet at a store barrier first (spawned ranks start seconds apart on a loaded host),
-which ends when the launcher lists survivors; their first ``attempt`` then rejoins.
+which ends when the launcher lists survivors; their first ``attempt`` then rejoins. Gradient accumulation
+across attempts (backward in each, ``sync`` and the optimizer step every k-th, by ``ctx.step``) is exact
+too: a recovery redoes the window from its first step. A rank that hangs instead of dying is killed by the
+launcher once it stays silent ``hang_timeout_s`` while its peers rejoin, and survived like a death.
 """
 
 from __future__ import annotations
@@ -111,6 +114,8 @@ class Elastic:
         self._hang_s = hang_s  # the launcher's patience with a silent rank (recovery.rejoin waits longer)
         self._state: Snapshots | PeerState | None = None
         self._tracked: tuple[Any, ...] = ()
+        self._params: list[torch.Tensor] = []  # the tracked modules' and optimizers' parameters
+        self._taken: tuple[int, int] | None = None  # (step, parameters' version sum) of the state's last take
         self._restore = "peer"
         self._failed = False
         self._recovering = False
@@ -170,7 +175,14 @@ class Elastic:
         if isinstance(self._state, PeerState):
             self._state.close()
         self._state = Snapshots(*objs) if restore == "snapshot" else PeerState(*objs)
-        self._tracked, self._restore = objs, restore
+        self._tracked, self._restore, self._taken = objs, restore, None
+        seen: dict[int, torch.Tensor] = {}
+        for o in objs:
+            if isinstance(o, nn.Module):
+                seen.update((id(prm), prm) for prm in o.parameters())
+            elif isinstance(o, torch.optim.Optimizer):
+                seen.update((id(prm), prm) for g in o.param_groups for prm in g["params"])
+        self._params = list(seen.values())
 
     @property
     def held_bytes(self) -> int:
@@ -258,7 +270,9 @@ class Elastic:
             )
         if self._failed:
             self._recover()
-        self._state.take(self._step)
+        if not self._accumulating():
+            self._state.take(self._step)
+            self._taken = (self._step, self._versions())
         self._synced = self._comm_failed = False
         self._works.clear()  # the last attempt's all-reduces, all complete (it succeeded)
         try:
@@ -271,6 +285,20 @@ class Elastic:
             self._lose_group()  # a ctx.ddp all-reduce failed: it surfaces from backward as a RuntimeError
         else:
             self._step += 1
+
+    def _versions(self) -> int:
+        return sum(prm._version for prm in self._params)  # an optimizer step (any in-place write) bumps one
+
+    def _accumulating(self) -> bool:
+        """Whether this attempt continues a window of gradient accumulation: attempts since the state's
+        last take left gradients and wrote no parameter (no optimizer step). The take is then kept, so
+        that a recovery redoes the window from its first step (its gradients are lost with the dead rank:
+        only a redo over the survivors gives the same sum)."""
+        return (
+            self._taken is not None
+            and self._versions() == self._taken[1]
+            and any(prm.grad is not None for prm in self._params)
+        )
 
     def _lose_group(self) -> None:
         # The broken group (and the DDPs on it) is kept in _lost, not freed here: recovery frees it in the
@@ -299,12 +327,16 @@ class Elastic:
         self._works.clear()
         state = self._state
         assert state is not None
-        standing = state.standing() if isinstance(state, PeerState) and state.taken else (self._step, EXACT)
+        # The step whose start this rank holds: this one's, or the first of a window of gradient accumulation
+        # (redone from there: the window's gradients so far are lost with the dead rank's share of them).
+        start = self._taken[0] if self._taken is not None and state.taken else self._step
+        peer = isinstance(state, PeerState) and state.taken
+        standing = state.standing(self._step) if isinstance(state, PeerState) and peer else (start, EXACT)
         state.zero_grad()  # the abandoned step's partial gradients
         gen, source = self.generation + 1, None
         while True:
             joined: Any = rejoin(
-                self._store, self.orig, gen, self._step, self._timeout, host=self._host, hang_s=self._hang_s
+                self._store, self.orig, gen, start, self._timeout, host=self._host, hang_s=self._hang_s
             )
             self.members, self._group, self.generation = joined.members, joined.group, joined.generation
             resume = joined.resume
@@ -500,7 +532,7 @@ def toy_train(
     sync_kills: list[list[int]] | None = None, sync_misses: list[list[int]] | None = None,
     agent_kills: list[list[int]] | None = None, ddp: str | None = None,
     forward_kills: list[list[int]] | None = None, restore: str = "peer", lr_decay: float | None = None,
-    hangs: list[list[int]] | None = None, exits: list[list[int]] | None = None,
+    hangs: list[list[int]] | None = None, exits: list[list[int]] | None = None, accumulate: int = 1,
 ) -> dict[int, float]:  # fmt: skip
     """The loop of the module docstring on a small MLP (the tests' training function): every step a
     global batch of 24 items from ``seed`` and the step, this rank's share of it, AdamW. Fault injection
@@ -521,7 +553,8 @@ def toy_train(
     that broadcast fails on the peers. ``restore``: ``ctx.track``'s recovery mode. ``lr_decay``: a tracked
     ``StepLR`` with that gamma, stepped at each step's very end (after the metric of ``late_kills``).
     ``hangs`` SIGSTOP that rank before the sync (hung, not dead); ``exits`` ([[rank, step, code], ...])
-    call ``sys.exit(code)`` there."""
+    call ``sys.exit(code)`` there. ``accumulate``: gradients add up over that many attempts (steps), and
+    only the last of each window syncs and steps the optimizer (``losses`` has those steps only)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -557,6 +590,8 @@ def toy_train(
             for rank, step, seconds in stalls or []:
                 if (rank, step) == (ctx.orig, ctx.step) and ctx.generation == 0:
                     time.sleep(seconds)
+            if (ctx.step + 1) % accumulate:
+                continue  # the attempt succeeds: its gradients stay for the window's last step
             if ddp:
                 total = ctx.all_reduce(loss.detach().reshape(1).clone())
                 losses[ctx.step] = float(total) / (ctx.world if ddp == "mean" else 1)

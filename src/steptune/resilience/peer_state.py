@@ -115,7 +115,7 @@ class PeerState:
         self._steps = [0] * len(self._opts)
         self._expect, self._dirty = self._versions(), False
         epochs = [_epoch(s) for s in self._scheds]
-        if self._start is not None and self._start[0] == step - 1:  # the step before ended whole
+        if self._start is not None and self._start[0] < step:  # the step (or window) before ended whole
             pairs = zip(epochs, self._epochs, strict=True)
             self._per_step = [now is not None and then is not None and now - then == 1 for now, then in pairs]
         self._start, self._epochs = (step, buffers, others), epochs
@@ -129,17 +129,20 @@ class PeerState:
         not make this rank's state unusable."""
         self._expect = self._versions()
 
-    def standing(self) -> tuple[int, int]:
-        """``(step, quality)``: the step whose start (``EXACT``) or end (``STEPPED``, then ``step + 1`` is
-        returned) this rank holds, or its step and ``DIRTY``. ``STEPPED`` needs every tracked optimizer
-        to have stepped once and nothing else to have written the parameters, before or after."""
+    def standing(self, current: int | None = None) -> tuple[int, int]:
+        """``(step, quality)``: the step whose start (``EXACT``: the recorded start) or end (``STEPPED``,
+        then ``current + 1`` is returned) this rank holds, or its step and ``DIRTY``. ``current``: the step
+        that failed (default: the recorded start; later when the start is a window of gradient
+        accumulation's first step). ``STEPPED`` needs every tracked optimizer to have stepped once and
+        nothing else to have written the parameters, before or after."""
         assert self._start is not None
         step = self._start[0]
         if self._dirty or self._versions() != self._expect:
             return step, DIRTY
         if not any(self._steps):
             return step, EXACT
-        return (step + 1, STEPPED) if all(n == 1 for n in self._steps) else (step, DIRTY)
+        end = step if current is None else current
+        return (end + 1, STEPPED) if all(n == 1 for n in self._steps) else (step, DIRTY)
 
     def restore_start(self) -> None:
         """Buffers and small objects back to the recorded start (parameters were not written)."""

@@ -79,8 +79,10 @@ class Snapshots:
         self._kept: dict[int, list[Any]] = {}
 
     def take(self, step: int) -> None:
-        """At the start of ``step`` (the one before is kept too)."""
-        self._kept = {k: v for k, v in self._kept.items() if k == step - 1}
+        """At the start of ``step`` (the last start taken before is kept too: the step before, or the first
+        step of a window of gradient accumulation)."""
+        before = max((k for k in self._kept if k < step), default=None)
+        self._kept = {k: v for k, v in self._kept.items() if k == before}
         self._kept[step] = [copy.deepcopy(o.state_dict()) for o in self._objs]
 
     def restore(self, step: int, orig: int) -> None:

@@ -206,6 +206,22 @@ def test_a_hung_rank_is_killed_and_survived_and_a_rank_that_exits_0_is_done():
     assert _max_rel(res["results"][0], _reference(6)) <= 1e-5, res
 
 
+def test_gradients_accumulated_over_attempts_are_redone_from_the_windows_first_step():
+    # Gradients add up over 2 attempts; only every second step syncs and steps. Rank 1 dies in step 3
+    # (the window 2-3's last step, before its sync), rank 2 after step 5's optimizer step. Before, the
+    # survivors redid step 3 alone with step 2's gradients gone (2.7% off the failure-free losses), and
+    # resumed the late kill at step 5 from the state after step 5's update, stepping it twice.
+    train = functools.partial(toy_train, accumulate=2)
+    res = launch(train, 4, 8, [[1, 3]], None, 0, [[2, 5]], timeout_s=120)
+    assert res["survivors"] == [0, 3], res
+    first, second = (_no_time(rec) for rec in res["recoveries"][0])
+    assert (first["failed_at_step"], first["resume_step"]) == (3, 2), first  # the window's first step
+    assert (second["failed_at_step"], second["resume_step"]) == (5, 6), second  # stepped: the next window
+    ref = toy_train(Elastic(master_store(), 0, [0], timeout_s=5), 8, late_kills=[], accumulate=2)
+    assert sorted(res["results"][0]) == [1, 3, 5, 7], res
+    assert _max_rel(res["results"][0], ref) <= 1e-5 and _max_rel(res["results"][3], ref) <= 1e-5, res
+
+
 def test_a_split_sync_in_the_last_step_is_redone_by_the_ranks_that_saw_it_fail():
     # Step 4 (the last) syncs on every rank, then rank 1 dies and rank 2 sees the sync fail; ranks 0 and 3
     # return. Rank 2 alone redoes step 4 with the whole global batch.

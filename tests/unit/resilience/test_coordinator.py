@@ -9,6 +9,7 @@ import torch
 from steptune.core.dist import master_store
 from steptune.resilience.elastic import Elastic, PeerLost
 from steptune.resilience.failstop import Coordinator
+from steptune.resilience.peer_state import EXACT, STEPPED
 
 
 def _announce(store, gen, ranks, step):
@@ -228,3 +229,27 @@ def test_a_ranks_sys_exit_0_is_a_return_and_sys_exit_n_an_error_that_says_so():
     assert "rank 2 called sys.exit(3) inside the training function: the job is stopped" in err, err
     assert "_exits" in err  # where it was called
     assert "pickle" in _outcome(0, {"fn": lambda ctx: lambda: 1, "args": ()}, ctx)["error"]
+
+
+@pytest.mark.parametrize("restore", ["peer", "snapshot"])
+def test_the_state_taken_at_a_windows_first_step_is_kept_while_gradients_accumulate(restore):
+    # One rank, gradients accumulated over steps 0-2, the optimizer stepped at step 2.
+    ctx = Elastic(master_store(), 0, [0], timeout_s=5)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx.track(model, opt, restore=restore)
+    for step in range(4):
+        with ctx.attempt():
+            model(torch.ones(1, 2)).sum().backward()
+            assert ctx._taken[0] == (0 if step < 3 else 3), (step, ctx._taken)
+            if step == 2:
+                ctx.sync(model)
+                opt.step()
+                opt.zero_grad(set_to_none=False)  # zeros, not None: the step's version bump ends the window
+    if restore == "peer":
+        assert ctx._state.standing(current=3) == (3, EXACT)  # at the window's first step
+        with torch.no_grad():
+            opt.step()
+        assert ctx._state.standing(current=5) == (6, STEPPED)  # the end of the failed step
+    else:
+        assert sorted(ctx._state._kept) == [0, 3]  # the window before is kept
