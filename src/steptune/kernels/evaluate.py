@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from steptune.kernels.agent import PROBLEM_ERROR
 from steptune.kernels.problems import import_source, tolerance
+from steptune.kernels.vary import Pokes, Variants, float_leaves, poke, pokes
 
 __all__ = ["run_job"]
 
@@ -277,12 +278,15 @@ class _Prepared:
     """Per validation trial: (pristine inputs, the reference's output on a copy of them)."""
     ref_ops: list[str]
     """The reference's compute ops in trial 0."""
-    profile: tuple[list[Any], Any] | None
-    """The profiling draw and the reference's output on it."""
+    profile: tuple[list[Any], Any, Variants] | None
+    """The profiling draw, the reference's output on it, and the varied draws of the checked timed calls
+    with the reference's outputs on them (``vary``)."""
     namespaces: _Namespaces
 
 
-def _prepare(problem: dict[str, Any], workdir: Path, device: str, trials: int, profile: bool) -> _Prepared:
+def _prepare(
+    problem: dict[str, Any], workdir: Path, device: str, trials: int, profile: bool, rounds: int = 15
+) -> _Prepared:
     """Import the problem and run the reference on every draw of inputs the evaluation will use. Any
     failure here is the problem's, not the candidate's: a problem error."""
     seed = int(problem.get("seed", 0))
@@ -309,7 +313,8 @@ def _prepare(problem: dict[str, Any], workdir: Path, device: str, trials: int, p
             if profile:
                 _seed_all(seed + 99)
                 inputs = _to(list(_draw(prob, "the profiling draw")), device)
-                timed = (inputs, _call(ref, _clones(inputs), "the reference (profiling draw)"))
+                out = _call(ref, _clones(inputs), "the reference (profiling draw)")
+                timed = (inputs, out, _variants(ref, inputs, out, rounds, seed))
     except MemoryError:
         raise
     except _Verdict as v:
@@ -319,6 +324,32 @@ def _prepare(problem: dict[str, Any], workdir: Path, device: str, trials: int, p
             "crashed", f"{PROBLEM_ERROR}building the reference raised {type(exc).__name__}: {exc}"
         ) from exc
     return _Prepared(prob, ref, init, cases, ops, timed, _Namespaces())
+
+
+def _finite(out: Any) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in _outputs(out) if _is_data(t))
+
+
+def _variants(ref: Any, inputs: list[Any], out: Any, rounds: int, seed: int) -> Variants:
+    """The pokes of each round's checked timed call and the reference's outputs on them (``vary``); none
+    when no input is floating-point, or when a poke breaks what the reference needs of its inputs."""
+    if not float_leaves(inputs):
+        return Variants([], [], "no floating-point input to vary")
+    gen = torch.Generator().manual_seed(seed ^ 0x5EED)
+    plans, outs, finite = [], [], _finite(out)
+    for _ in range(rounds):
+        plan = pokes(float_leaves(inputs), gen)
+        varied = _clones(inputs)
+        poke(float_leaves(varied), plan)
+        try:
+            got = ref(*varied)
+        except Exception as exc:
+            return Variants([], [], f"the reference raised {type(exc).__name__} on varied inputs ({exc})")
+        if finite and not _finite(got):
+            return Variants([], [], "the reference returned NaN or inf on varied inputs")
+        plans.append(plan)
+        outs.append(got)
+    return Variants(plans, outs)
 
 
 def _draw(prob: Any, what: str) -> list[Any]:
@@ -397,6 +428,7 @@ def _validate(
     outs_alive: list[torch.Tensor] = [t for _, out in prep.trials for t in _outputs(out) if _is_data(t)]
     if prep.profile is not None:
         outs_alive += [t for t in _outputs(prep.profile[1]) if _is_data(t)]
+        outs_alive += [t for o in prep.profile[2].outputs for t in _outputs(o) if _is_data(t)]
     ref_ptrs = {t.untyped_storage().data_ptr() for t in outs_alive}
     cand_ptrs: set[int] = set()
     ref_ops = prep.ref_ops
@@ -574,20 +606,34 @@ def _check_reference_stable(problem: dict[str, Any], first: Any, second: Any) ->
             )
 
 
-def _time_cpu(fn: Callable[[], Any], n: int, keep: int = -1) -> tuple[float, Any]:
-    """Seconds per call over ``n`` calls, and the output of call ``keep`` (checked after the timing)."""
-    kept = None
-    t0 = time.perf_counter()
+def _time_cpu(
+    fn: Callable[[], Any], n: int, keep: int = -1, before: Callable[[int], None] | None = None
+) -> tuple[float, Any]:
+    """Seconds per call over ``n`` calls (each timed alone: ``before(i)``, untimed, varies the inputs), and
+    the output of call ``keep`` (checked after the timing)."""
+    kept, total = None, 0.0
     for i in range(n):
+        if before is not None:
+            before(i)
+        t0 = time.perf_counter()
         out = fn()
+        total += time.perf_counter() - t0
         if i == keep:
             kept = out
-    return (time.perf_counter() - t0) / n, kept
+    return total / n, kept
 
 
-def _time_cuda(fn: Callable[[], Any], n: int, flush: torch.Tensor, keep: int = -1) -> tuple[float, Any]:
+def _time_cuda(
+    fn: Callable[[], Any],
+    n: int,
+    flush: torch.Tensor,
+    keep: int = -1,
+    before: Callable[[int], None] | None = None,
+) -> tuple[float, Any]:
     times, kept = [], None
     for i in range(n):
+        if before is not None:
+            before(i)
         flush.zero_()  # evict L2 (256 MB > any current L2), as KernelBench's cuda_event timing does
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -602,11 +648,45 @@ def _time_cuda(fn: Callable[[], Any], n: int, flush: torch.Tensor, keep: int = -
 
 def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dict[str, Any]:
     assert prep.profile is not None
-    inputs, out_r = prep.profile
+    inputs, out_r, variants = prep.profile
     ref_in, new_in = _clones(inputs), _clones(inputs)
     rounds, round_s = int(job.get("rounds", 15)), float(job.get("round_s", 0.005))
-    picks = random.Random(int(job["problem"].get("seed", 0)) ^ 0x71AE)
+    seed = int(job["problem"].get("seed", 0))
+    picks = random.Random(seed ^ 0x71AE)
     ref = prep.ref
+    # Inputs varied before each timed call (``vary``): a memoized output is then stale or a cache miss.
+    varied = len(variants.plans) >= rounds
+    base, leaves = float_leaves(inputs), {"ref": float_leaves(ref_in), "new": float_leaves(new_in)}
+    gen = torch.Generator().manual_seed(seed ^ 0xCA11)
+    last: dict[str, Pokes | None] = {"ref": None, "new": None}  # the pokes in place on each side
+
+    def restore(side: str) -> None:
+        with torch.no_grad():
+            for t, b in zip(leaves[side], base, strict=True):
+                t.copy_(b)
+        last[side] = None
+
+    def vary(side: str, plan: Pokes) -> None:
+        """The draw with exactly ``plan``'s pokes: the last call's are undone first (cheap: only the
+        positions they wrote), so that every call differs from the draw by one poke, as the checked call's
+        varied draw does."""
+        if last[side] is not None:
+            with torch.no_grad():
+                for t, b, (dst, _) in zip(leaves[side], base, last[side], strict=True):
+                    t.view(-1)[dst] = b.view(-1)[dst]
+        poke(leaves[side], plan)
+        last[side] = plan
+
+    def varier(side: str, r: int, keep: int, n: int) -> Callable[[int], None] | None:
+        if not varied:
+            return None
+        fresh = pokes(base, gen, calls=n)  # a new poke for every call: no state comes back to be memoized
+
+        def before(i: int) -> None:
+            # both sides alike; at the checked call, its varied draw (whose reference output is known)
+            vary(side, variants.plans[r] if i == keep else [(d[i], s[i]) for d, s in fresh])
+
+        return before
 
     def f_ref() -> Any:
         return ref(*ref_in)
@@ -637,12 +717,17 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
             keep = picks.randrange(n)  # one timed call per round, unknown to the candidate, is checked
             kept = None
             for name, fn in order:
-                k = keep if name == "new" else -1
-                got[name], out = _time_cuda(fn, n, flush, k) if flush is not None else _time_cpu(fn, n, k)
+                k, before = (keep if name == "new" else -1), varier(name, r, keep, n)
+                if varied:
+                    restore(name)  # each round starts from the draw: no drift over rounds
+                got[name], out = (
+                    _time_cuda(fn, n, flush, k, before) if flush is not None else _time_cpu(fn, n, k, before)
+                )
                 kept = out if name == "new" else kept
             # A kernel right on the validation trials but not on the timed calls (a call counter,
             # a cached result) would be timed doing other work than the reference's
-            _compare(kept, out_r, job["problem"], f"a timed call (round {r}, call {keep})")
+            want = variants.outputs[r] if varied else out_r
+            _compare(kept, want, job["problem"], f"a timed call (round {r}, call {keep})")
             t_ref.append(got["ref"])
             t_new.append(got["new"])
             ratios.append(got["ref"] / max(got["new"], 1e-12))
@@ -654,6 +739,8 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
         "rounds": rounds,
         "calls_per_round": n,
         "round_ratios": [round(x, 4) for x in ratios],
+        "varied_inputs": varied,
+        **({} if varied else {"not_varied": variants.why_not or "fewer varied draws than rounds"}),
     }
 
 
@@ -683,7 +770,7 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
         fp_mode = _FPMode()
         trials = int(job.get("trials", 5)) if job["kind"] == "validate" else 1
         profiled = job["kind"] == "profile" and not interpreted
-        prep = _prepare(job["problem"], workdir, device, trials, profiled)
+        prep = _prepare(job["problem"], workdir, device, trials, profiled, int(job.get("rounds", 15)))
         new, compile_s, baseline = _build(job["problem"], job["candidate"], workdir, device, fp_mode, prep)
         out["compile_s"] = compile_s
         out.update(_validate(new, prep, job["problem"], device, fp_mode, baseline))
