@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from steptune.kernels.agent import PROBLEM_ERROR
 from steptune.kernels.problems import import_source, tolerance
-from steptune.kernels.vary import Pokes, Variants, float_leaves, poke, pokes
+from steptune.kernels.vary import Pokes, float_leaves, poke, pokes, unpoke
 
 __all__ = ["run_job"]
 
@@ -278,15 +278,13 @@ class _Prepared:
     """Per validation trial: (pristine inputs, the reference's output on a copy of them)."""
     ref_ops: list[str]
     """The reference's compute ops in trial 0."""
-    profile: tuple[list[Any], Any, Variants] | None
-    """The profiling draw, the reference's output on it, and the varied draws of the checked timed calls
-    with the reference's outputs on them (``vary``)."""
+    profile: tuple[list[Any], Any, str] | None
+    """The profiling draw, the reference's output on it, and why its inputs may not be varied between
+    timed calls ("" when they may: ``vary``)."""
     namespaces: _Namespaces
 
 
-def _prepare(
-    problem: dict[str, Any], workdir: Path, device: str, trials: int, profile: bool, rounds: int = 15
-) -> _Prepared:
+def _prepare(problem: dict[str, Any], workdir: Path, device: str, trials: int, profile: bool) -> _Prepared:
     """Import the problem and run the reference on every draw of inputs the evaluation will use. Any
     failure here is the problem's, not the candidate's: a problem error."""
     seed = int(problem.get("seed", 0))
@@ -314,7 +312,7 @@ def _prepare(
                 _seed_all(seed + 99)
                 inputs = _to(list(_draw(prob, "the profiling draw")), device)
                 out = _call(ref, _clones(inputs), "the reference (profiling draw)")
-                timed = (inputs, out, _variants(ref, inputs, out, rounds, seed))
+                timed = (inputs, out, _why_not_vary(ref, inputs, out, seed))
     except MemoryError:
         raise
     except _Verdict as v:
@@ -330,26 +328,23 @@ def _finite(out: Any) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in _outputs(out) if _is_data(t))
 
 
-def _variants(ref: Any, inputs: list[Any], out: Any, rounds: int, seed: int) -> Variants:
-    """The pokes of each round's checked timed call and the reference's outputs on them (``vary``); none
-    when no input is floating-point, or when a poke breaks what the reference needs of its inputs."""
+def _why_not_vary(ref: Any, inputs: list[Any], out: Any, seed: int) -> str:
+    """Why the profiling draw's inputs may not be varied between timed calls ("" when they may): no
+    floating-point input, or a poke breaks what the reference needs of them (it raises, or returns NaN or
+    inf where it did not on the draw), tried on two poked copies."""
     if not float_leaves(inputs):
-        return Variants([], [], "no floating-point input to vary")
+        return "no floating-point input to vary"
     gen = torch.Generator().manual_seed(seed ^ 0x5EED)
-    plans, outs, finite = [], [], _finite(out)
-    for _ in range(rounds):
-        plan = pokes(float_leaves(inputs), gen)
+    for _ in range(2):
         varied = _clones(inputs)
-        poke(float_leaves(varied), plan)
+        poke(float_leaves(varied), pokes(float_leaves(varied), gen))
         try:
             got = ref(*varied)
         except Exception as exc:
-            return Variants([], [], f"the reference raised {type(exc).__name__} on varied inputs ({exc})")
-        if finite and not _finite(got):
-            return Variants([], [], "the reference returned NaN or inf on varied inputs")
-        plans.append(plan)
-        outs.append(got)
-    return Variants(plans, outs)
+            return f"the reference raised {type(exc).__name__} on varied inputs ({exc})"
+        if _finite(out) and not _finite(got):
+            return "the reference returned NaN or inf on varied inputs"
+    return ""
 
 
 def _draw(prob: Any, what: str) -> list[Any]:
@@ -428,7 +423,6 @@ def _validate(
     outs_alive: list[torch.Tensor] = [t for _, out in prep.trials for t in _outputs(out) if _is_data(t)]
     if prep.profile is not None:
         outs_alive += [t for t in _outputs(prep.profile[1]) if _is_data(t)]
-        outs_alive += [t for o in prep.profile[2].outputs for t in _outputs(o) if _is_data(t)]
     ref_ptrs = {t.untyped_storage().data_ptr() for t in outs_alive}
     cand_ptrs: set[int] = set()
     ref_ops = prep.ref_ops
@@ -618,8 +612,8 @@ def _time_cpu(
         t0 = time.perf_counter()
         out = fn()
         total += time.perf_counter() - t0
-        if i == keep:
-            kept = out
+        if i == keep:  # a copy: an output that views the input would change with the next call's pokes
+            kept = _clone(out)
     return total / n, kept
 
 
@@ -642,51 +636,40 @@ def _time_cuda(
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
         if i == keep:
-            kept = out
+            kept = _clone(out)
     return statistics.median(times), kept
 
 
 def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dict[str, Any]:
     assert prep.profile is not None
-    inputs, out_r, variants = prep.profile
+    inputs, out_r, why_not = prep.profile
     ref_in, new_in = _clones(inputs), _clones(inputs)
     rounds, round_s = int(job.get("rounds", 15)), float(job.get("round_s", 0.005))
     seed = int(job["problem"].get("seed", 0))
     picks = random.Random(seed ^ 0x71AE)
     ref = prep.ref
     # Inputs varied before each timed call (``vary``): a memoized output is then stale or a cache miss.
-    varied = len(variants.plans) >= rounds
+    varied = not why_not
     base, leaves = float_leaves(inputs), {"ref": float_leaves(ref_in), "new": float_leaves(new_in)}
     gen = torch.Generator().manual_seed(seed ^ 0xCA11)
-    last: dict[str, Pokes | None] = {"ref": None, "new": None}  # the pokes in place on each side
+    on: dict[str, int | None] = {"ref": None, "new": None}  # the call whose poke is in place on each side
 
     def restore(side: str) -> None:
         with torch.no_grad():
             for t, b in zip(leaves[side], base, strict=True):
                 t.copy_(b)
-        last[side] = None
+        on[side] = None
 
-    def vary(side: str, plan: Pokes) -> None:
-        """The draw with exactly ``plan``'s pokes: the last call's are undone first (cheap: only the
-        positions they wrote), so that every call differs from the draw by one poke, as the checked call's
-        varied draw does."""
-        if last[side] is not None:
-            with torch.no_grad():
-                for t, b, (dst, _) in zip(leaves[side], base, last[side], strict=True):
-                    t.view(-1)[dst] = b.view(-1)[dst]
-        poke(leaves[side], plan)
-        last[side] = plan
-
-    def varier(side: str, r: int, keep: int, n: int) -> Callable[[int], None] | None:
-        if not varied:
-            return None
-        fresh = pokes(base, gen, calls=n)  # a new poke for every call: no state comes back to be memoized
-
+    def varier(side: str, keep: int, plan: Pokes) -> Callable[[int], None] | None:
         def before(i: int) -> None:
-            # both sides alike; at the checked call, its varied draw (whose reference output is known)
-            vary(side, variants.plans[r] if i == keep else [(d[i], s[i]) for d, s in fresh])
+            if on[side] is not None:  # back to the draw: only the positions the last call's poke wrote
+                unpoke(leaves[side], base, plan, on[side])
+            # a poke of its own for every call; the checked call (both sides alike) runs on the draw itself
+            on[side] = None if i == keep else i
+            if i != keep:
+                poke(leaves[side], plan, i)
 
-        return before
+        return before if varied else None
 
     def f_ref() -> Any:
         return ref(*ref_in)
@@ -716,18 +699,18 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
             got: dict[str, float] = {}
             keep = picks.randrange(n)  # one timed call per round, unknown to the candidate, is checked
             kept = None
+            plan = pokes(base, gen, calls=n) if varied else []
             for name, fn in order:
-                k, before = (keep if name == "new" else -1), varier(name, r, keep, n)
+                k, before = (keep if name == "new" else -1), varier(name, keep, plan)
                 if varied:
-                    restore(name)  # each round starts from the draw: no drift over rounds
+                    restore(name)  # each round starts from the draw
                 got[name], out = (
                     _time_cuda(fn, n, flush, k, before) if flush is not None else _time_cpu(fn, n, k, before)
                 )
                 kept = out if name == "new" else kept
             # A kernel right on the validation trials but not on the timed calls (a call counter,
             # a cached result) would be timed doing other work than the reference's
-            want = variants.outputs[r] if varied else out_r
-            _compare(kept, want, job["problem"], f"a timed call (round {r}, call {keep})")
+            _compare(kept, out_r, job["problem"], f"a timed call (round {r}, call {keep})")
             t_ref.append(got["ref"])
             t_new.append(got["new"])
             ratios.append(got["ref"] / max(got["new"], 1e-12))
@@ -740,7 +723,7 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
         "calls_per_round": n,
         "round_ratios": [round(x, 4) for x in ratios],
         "varied_inputs": varied,
-        **({} if varied else {"not_varied": variants.why_not or "fewer varied draws than rounds"}),
+        **({} if varied else {"not_varied": why_not}),
     }
 
 
@@ -770,7 +753,7 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
         fp_mode = _FPMode()
         trials = int(job.get("trials", 5)) if job["kind"] == "validate" else 1
         profiled = job["kind"] == "profile" and not interpreted
-        prep = _prepare(job["problem"], workdir, device, trials, profiled, int(job.get("rounds", 15)))
+        prep = _prepare(job["problem"], workdir, device, trials, profiled)
         new, compile_s, baseline = _build(job["problem"], job["candidate"], workdir, device, fp_mode, prep)
         out["compile_s"] = compile_s
         out.update(_validate(new, prep, job["problem"], device, fp_mode, baseline))

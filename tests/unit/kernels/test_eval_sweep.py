@@ -257,3 +257,24 @@ def test_inputs_a_poke_would_break_are_timed_unvaried_and_say_so(pools):
     assert res.verdict == "correct", res
     assert res.extra["varied_inputs"] is False, res
     assert "NaN or inf on varied inputs" in res.extra["not_varied"], res
+
+
+@pytest.mark.parametrize(
+    ("forward", "inputs", "candidate"),
+    [
+        # an output that views the input changed with the next call's poke before it was compared
+        ("return torch.flatten(a[0], 1)", "[torch.randn(64, 8, 32)]", "return a[0].view(a[0].shape[0], -1)"),
+        # a poke unsorts the input: the checked call runs on the draw itself, so sortedness holds there
+        ("return torch.searchsorted(a[0], a[1])", "[torch.sort(torch.randn(2000)).values, torch.randn(500)]",
+         "return (a[0].unsqueeze(0) < a[1].unsqueeze(1)).sum(1)"),
+        # a strided (non-dense) float input, which the copies make dense
+        ("return a[0] * 2 + a[1].sum()", "[torch.randn(64, 64)[:, ::2], torch.randn(64, 32)]",
+         "return a[0] + a[0] + a[1].sum()"),
+    ],
+    ids=["output-views-input", "sorted-input", "strided-input"],
+)  # fmt: skip
+def test_honest_kernels_stay_correct_with_varied_inputs(pools, forward, inputs, candidate):
+    # Found in review of the varied inputs (2026-12-05): each of these was incorrect or a problem error
+    checked, _ = pools
+    res = checked.submit(_problem("p", forward, inputs), _candidate(candidate), kind="profile").result(120)
+    assert res.verdict == "correct" and res.extra["varied_inputs"] is True, res
