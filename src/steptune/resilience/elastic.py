@@ -55,6 +55,7 @@ launcher once it stays silent ``hang_timeout_s`` while its peers rejoin, and sur
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import math
@@ -285,6 +286,9 @@ class Elastic:
             self._lose_group()  # a ctx.ddp all-reduce failed: it surfaces from backward as a RuntimeError
         else:
             self._step += 1
+            # For the launcher: a rank past its peers' failed step is not hung when it stays silent.
+            with contextlib.suppress(RuntimeError):  # a lost store shows at the next rejoin
+                self._store.set(f"progress/{self.orig}", str(self._step))
 
     def _versions(self) -> int:
         return sum(prm._version for prm in self._params)  # an optimizer step (any in-place write) bumps one

@@ -278,6 +278,11 @@ class Coordinator:
                 gen, expect = self.gen, waiting & set(self.listed)
                 count = int(self.store.add(f"rejoining/{gen}", 0))
         silent = [] if count == 0 else sorted(r for r in expect if not self.store.check([f"alive/{gen}/{r}"]))
+        if silent:
+            # A rank that completed more steps than every rank rejoining is not stuck among them: it is
+            # past their failed step (a split last step) and busy after its loop (an eval, a save).
+            done = max((_progress(self.store, r) for r in expect if r not in silent), default=0)
+            silent = [r for r in silent if _progress(self.store, r) <= done]
         if not silent:
             self._silent_since = None
             return
@@ -293,6 +298,13 @@ class Coordinator:
         if self.kill is not None:
             self.kill(silent)
         self.died({r: -signal.SIGKILL for r in silent})
+
+
+def _progress(store: Any, rank: int) -> int:
+    """The steps ``rank`` reported complete (``progress/<rank>``, written by ``elastic.Elastic``; 0 when
+    it wrote none, as the other jobs' ranks)."""
+    key = f"progress/{rank}"
+    return int(store.get(key).decode()) if store.check([key]) else 0
 
 
 def _all_rejoining(store: Any, gen: int, ranks: set[int]) -> bool:
@@ -350,6 +362,8 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
             exited = [r for r in alive if not procs[r].is_alive() and r not in finished]
             try:
                 rank, losses, info = out.get(timeout=0.05)
+                if rank not in alive:  # killed as hung (lost) after it had put this: not a survivor
+                    continue
                 if "error" in info:  # the worker's own code raised: not a death for the others to survive
                     raise RuntimeError(f"rank {rank} raised (the job is stopped):\n{info['error']}")
                 finished[rank], infos[rank] = losses, info

@@ -70,6 +70,21 @@ def test_a_rank_silent_while_its_peers_rejoin_is_killed_as_hung_and_the_rest_lis
     assert killed == [1, 2] and json.loads(store.get("members/2")) == [1], killed
 
 
+def test_a_silent_rank_past_its_peers_step_is_not_taken_for_hung():
+    # Found in review: ranks whose last step's sync completed return and work after their loop (an eval,
+    # a save) while the others rejoin to redo that step; they were killed as hung and their results lost.
+    store, killed = master_store(), []
+    coord = Coordinator(store, {0, 1, 2}, hang_s=0.05, kill=killed.extend)
+    for rank, done in ((0, 4), (1, 3), (2, 3)):  # rank 0 completed step 3; ranks 1 and 2 failed it
+        store.set(f"progress/{rank}", str(done))
+    _announce(store, 1, [1], 3)
+    coord.tick()
+    time.sleep(0.1)
+    coord.tick()
+    assert killed == [2] and coord.hung.keys() == {2}, (killed, coord.hung)  # rank 2 is stuck in step 3
+    assert json.loads(store.get("members/1")) == [0, 1]  # rank 0 is listed: it finishes or rejoins
+
+
 def test_without_hang_s_a_silent_rank_is_waited_for_and_a_late_one_is_not_killed():
     store, killed = master_store(), []
     patient = Coordinator(store, {0, 1}, kill=killed.extend)
