@@ -31,6 +31,8 @@ from steptune.memory.tape import ExternalRef, OpNode, Slot, Tape, ValueKey, _Ref
 __all__ = ["Recorder", "force_save_reason", "op_flops"]
 
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d", "_c10d_functional_autograd", "_dtensor"})
+# Ops whose tags say whether they draw random numbers or sync with the host; others are custom ops.
+_TORCH_NAMESPACES = frozenset({"aten", "prims"})
 # Ops that write buffers their schema does not mark as written (running statistics).
 _HIDDEN_WRITERS = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"})
 _SYNC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
@@ -41,6 +43,10 @@ def force_save_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     namespace = getattr(func, "namespace", "")
     if namespace in _COLLECTIVE_NAMESPACES:
         return "collective"
+    if namespace not in _TORCH_NAMESPACES:
+        # A torch.library op's kernel runs below the recorder and carries none of aten's tags: it may draw
+        # random numbers (a fused dropout mask gave wrong gradients when replayed) or have side effects.
+        return "custom op (its kernel is hidden from the tape: random or side effects cannot be ruled out)"
     tags = getattr(func, "tags", ())
     if any(tag in tags for tag in _SYNC_TAGS) and not _integer_indexing(func, args):
         return "host sync or data-dependent shape"

@@ -106,6 +106,47 @@ def test_explicit_generator_draws_are_saved(monkeypatch):
     assert max_abs_diff(reference, run(GeneratorNoiseBlock)) > 0.0  # replay draws the next numbers
 
 
+@torch.library.custom_op("steptune_test::rand_mask", mutates_args=())
+def _rand_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    return (torch.rand_like(x) >= p).to(x.dtype) / (1 - p)
+
+
+@_rand_mask.register_fake
+def _(x, p):
+    return torch.empty_like(x)
+
+
+class _CustomMaskBlock(torch.nn.Module):
+    """A dropout-style mask from a torch.library op without autograd (a fused mask kernel)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return x + self.b(h * _rand_mask(h.detach(), 0.5))
+
+
+def test_a_custom_ops_outputs_are_saved_not_replayed(monkeypatch):
+    # Found in a sweep (2026-12-05): the op carries none of aten's tags, so it was taken for deterministic
+    # and replayed, drawing a new mask (gradients off by 25, the RNG stream advanced).
+    def run(block_cls):
+        torch.manual_seed(0)
+        model, x = Chain(_CustomMaskBlock), torch.randn(8, 32)
+        torch.manual_seed(1)
+        grads, _, handle = _step(model, x, block_cls)
+        return grads, torch.rand(1), handle
+
+    reference, rng_ref, _ = run(None)
+    got, rng, handle = run(_CustomMaskBlock)
+    assert max_abs_diff(reference, got) == 0.0 and torch.equal(rng, rng_ref)
+    assert any(k.startswith("custom op") and n > 0 for k, n in handle.stats.force_saved.items())
+    _no_reason(monkeypatch)
+    bad, rng_bad, _ = run(_CustomMaskBlock)
+    assert max_abs_diff(reference, bad) > 0.0 and not torch.equal(rng_bad, rng_ref)
+
+
 def _as_kind(group, rank, kind):
     """The thread rank's bare gloo backend, or (``process_group``) the ProcessGroup that init_process_group
     and new_group give, whose collectives reach the dispatcher."""
