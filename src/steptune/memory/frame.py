@@ -60,6 +60,7 @@ class Frame:
         self.versions: dict[int, int] = {}
         self.pending: Counter[ValueKey] = Counter()
         self.results: dict[ValueKey, torch.Tensor] | None = None
+        self.stale: dict[ValueKey, int] = {}  # packed values written in place later in the forward
 
     def handle(self, key: ValueKey) -> Handle:
         self.pending[key] += 1
@@ -75,6 +76,13 @@ class Frame:
                 f"TapeSAC block {self.name!r}: backward will read {len(self.pending)} replayed values "
                 f"but its tape records {len(self.plan.packed)}; the tape does not match this forward"
             )
+        # Autograd checks a saved tensor's version when it unpacks it, except under saved-tensor hooks (ours):
+        # a value written in place after it was packed must fail here as it does without TapeSAC, where
+        # replay would hand backward the newer value and wrong gradients.
+        for key in self.pending:
+            now = tape.group_version[tape.slots[key[0]].group]
+            if now != key[1]:
+                self.stale[key] = now
         self.externals = {sid: externals[sid] for sid in _external_reads(tape, self.plan)}
         self.versions = {sid: t._version for sid, t in self.externals.items()}
         self.saved = {key: tape.captured[key] for key in self.plan.reads_saved if key in tape.captured}
@@ -94,6 +102,14 @@ class Frame:
                 "the forward again, or remove TapeSAC for double backward / retain_graph=True"
             )
         handle.used = True
+        if handle.key in self.stale:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a value of TapeSAC block {self.name!r} was saved for backward at version "
+                f"{handle.key[1]} and written in place to version {self.stale[handle.key]} later in the "
+                "block's forward (training without TapeSAC raises this too). Clone it before the in-place "
+                "op, or make the op out of place"
+            )
         if self.results is None:
             self._materialize()
         assert self.results is not None

@@ -7,8 +7,10 @@ Contract:
 - The tape holds no internal activation: only argument templates, slot metadata, strong references
   to *externals* (tensors the block did not produce: inputs, parameters, buffers, captured
   constants) and to *saved* values (force-saved or chosen by a save policy).
-- Every value autograd packs is at its storage's final version (autograd's own version check
-  guarantees it), so replaying the slice in tape order reproduces exactly what backward reads.
+- Every value backward reads is at its storage's final version, so replaying the slice in tape order
+  reproduces exactly what backward reads. Autograd skips its own version check under saved-tensor
+  hooks, so ``frame.Frame`` does it: unpacking a value written in place after it was packed raises
+  autograd's "modified by an inplace operation" error.
 """
 
 from __future__ import annotations

@@ -47,6 +47,30 @@ def test_input_mutated_between_forward_and_backward_raises():
         loss.backward()
 
 
+class _WriteAfterSave(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.w = torch.nn.Linear(width, width), torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        y = torch.sigmoid(self.a(x))  # sigmoid saves its output ...
+        y.mul_(3.0)  # ... which this writes in place
+        return x + y * self.w
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_value_written_in_place_after_autograd_saved_it_raises_as_without_tapesac(reuse):
+    # Found in a sweep (2026-12-05): training without TapeSAC raises; TapeSAC replayed the written value
+    # and gave wrong gradients (torch's own checkpoint does too).
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _model(_WriteAfterSave)(torch.randn(4, 32)).backward()
+    model = _model(_WriteAfterSave)
+    apply_tapesac_(model, TapeSACConfig(blocks=(_WriteAfterSave,), reuse_tapes=reuse))
+    for _ in range(2):  # the second forward reuses the tape
+        with pytest.raises(RuntimeError, match="modified by an inplace operation: a value of TapeSAC block"):
+            model(torch.randn(4, 32)).backward()
+
+
 def test_a_new_shape_records_a_new_tape():
     model = _model()
     handle = apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
