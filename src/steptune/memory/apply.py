@@ -81,7 +81,7 @@ def find_blocks(
         blocks = (blocks,)
     elif isinstance(blocks, list):
         blocks = tuple(blocks)
-    ok = blocks is None or isinstance(blocks, str)
+    ok = blocks is None or (isinstance(blocks, str) and blocks.strip() != "")  # "" named the root model
     ok = ok or (isinstance(blocks, tuple) and all(isinstance(c, type) for c in blocks))
     if not ok:
         raise TypeError(
@@ -253,6 +253,14 @@ def apply_tapesac_(
             stacklevel=2,
         )
     taken = [name for name, block in state.blocks if "forward" in block.__dict__]
+    compiled_blocks = [name for name, block in state.blocks if type(block).__name__ == "OptimizedModule"]
+    if compiled_blocks:  # torchtitan's per-block compile: m.layers[i] = torch.compile(m.layers[i])
+        raise ValueError(
+            f"block(s) {compiled_blocks} are torch.compile'd modules (OptimizedModule): TapeSAC records "
+            "eager blocks, so match the modules inside them, e.g. TapeSACConfig(blocks="
+            "'<pattern>._orig_mod') or the block class (each then runs eagerly inside the compiled "
+            "region), or apply TapeSAC before compiling"
+        )
     if taken:  # checked for every block before any is wrapped: a refusal leaves the model as it was
         raise ValueError(
             f"block(s) {taken} already have an instance-level forward (another wrapper, such as an "
@@ -353,7 +361,38 @@ def save_op_names(save_ops: Any) -> tuple[frozenset[str], frozenset[str]]:
                 f"TapeSACConfig.save_ops: {parts[0]}.{parts[1]} has no overload {parts[2]!r}; it has "
                 f"{', '.join(packet.overloads())} ('{parts[0]}.{parts[1]}' for all of them)"
             )
+    for name in sorted(exact | packets):
+        _refuse_decomposed(name)
     return frozenset(exact), frozenset(packets)
+
+
+_BECOMES = {
+    "linear": "aten.mm / aten.addmm",
+    "matmul": "aten.mm / aten.bmm",
+    "softmax": "aten._softmax",
+    "log_softmax": "aten._log_softmax",
+    "layer_norm": "aten.native_layer_norm",
+    "dropout": "aten.native_dropout",
+    "scaled_dot_product_attention": "aten._scaled_dot_product_flash_attention_for_cpu on CPU, "
+    "aten._scaled_dot_product_efficient_attention / _flash_attention on CUDA",
+}
+
+
+def _refuse_decomposed(name: str) -> None:
+    """An op whose every named overload is CompositeImplicitAutograd decomposes before the recorder sees
+    it, so saving it would save nothing (found in a sweep: ``aten.linear`` was taken, silently)."""
+    ns, op, *overload = name.split(".")
+    packet = getattr(getattr(torch.ops, ns), op)
+    # ``out=`` variants are not what modules call in training (and are not composite): left out
+    overloads = overload or [o for o in packet.overloads() if not (o == "out" or o.endswith("_out"))]
+    cia = torch._C.DispatchKey.CompositeImplicitAutograd
+    if overloads and all(getattr(packet, o).has_kernel_for_dispatch_key(cia) for o in overloads):
+        becomes = _BECOMES.get(op)
+        hint = f"name what it becomes ({becomes})" if becomes else "name the ops it decomposes into"
+        raise ValueError(
+            f"TapeSACConfig.save_ops: {name} decomposes into other ops before TapeSAC's recorder sees it "
+            f"(CompositeImplicitAutograd), so saving it would save nothing; {hint}"
+        )
 
 
 def _run_block(

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from steptune.memory.anchors import ANCHORS, apply_anchor_, remove_anchor_
 from steptune.memory.apply import TapeSACConfig, apply_tapesac_, find_blocks
+from steptune.memory.profile import grads_kept
 from steptune.memory.record import op_flops
 from steptune.memory.reuse import TemplateCache
 
@@ -193,6 +194,14 @@ def measure_peak(
     receives the peak before the last block's backward (see :func:`head_peak_probe`)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    with grads_kept(model):
+        return _measure_peak(model, batch, policy, blocks, plans, head, MemTracker)
+
+
+def _measure_peak(
+    model: nn.Module, batch: Mapping[str, Any], policy: str, blocks: Any, plans: Mapping[str, Any] | None,
+    head: list[int] | None, MemTracker: Any,
+) -> tuple[int, int]:  # fmt: skip
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)

@@ -11,8 +11,10 @@ runs it, Python dispatch included (a view costs microseconds, not zero).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +55,26 @@ class BlockProfile:
         return self.group_bytes[self.tape.slots[key[0]].group]
 
 
+@contextlib.contextmanager
+def grads_kept(model: nn.Module) -> Iterator[None]:
+    """The parameters' ``.grad`` as they were when done (planning in the middle of gradient accumulation
+    must not lose it; found in a sweep on 2026-12-05)."""
+    kept = [(p, p.grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for p, g in kept:
+            p.grad = g
+
+
+@contextlib.contextmanager
+def _removed(handle: Any) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def profile_model(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
@@ -80,13 +102,10 @@ def profile_model(
     handle = apply_tapesac_(model, TapeSACConfig(blocks=blocks, reuse_tapes=False))
     handle.on_record = on_record
     handle.keep_outputs = True
-    try:
+    with grads_kept(model), _removed(handle):
         model.zero_grad(set_to_none=True)
         out = model(**batch)
         (out.loss if hasattr(out, "loss") else out).backward()
-        model.zero_grad(set_to_none=True)
-    finally:
-        handle.remove()
     profiles: dict[Any, BlockProfile] = {}
     for key, (name, tape, tensors) in seen.items():
         cost = [_time_node(tape, n, tensors, repeats, warmup) for n in range(len(tape.nodes))]

@@ -166,7 +166,9 @@ def signature(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         else:
             return None  # an object (a KV cache, say) may steer the forward: record every call
     params = tuple(
-        (name, tuple(p.shape), p.dtype, p.device, p.requires_grad)
+        # strides too: a view recorded on a contiguous weight cannot replay on a transposed one
+        # (load_state_dict(assign=True) with column-major tensors, found in a sweep on 2026-12-05)
+        (name, tuple(p.shape), tuple(p.stride()), p.dtype, p.device, p.requires_grad)
         for name, p in list(block.named_parameters()) + list(block.named_buffers())
     )
     autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))

@@ -116,6 +116,23 @@ def test_bad_configuration_says_what_to_change():
     with pytest.raises(ValueError, match="already applied"):
         apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
     handle.remove()
+    with pytest.raises(TypeError, match="give an FQN pattern"):  # it wrapped the whole model (a sweep)
+        apply_tapesac_(model, TapeSACConfig(blocks=""))
+
+
+def test_profiling_and_measuring_keep_the_gradients_a_loop_has_accumulated():
+    # Found in a sweep (2026-12-05): planning in the middle of gradient accumulation wiped .grad
+    from steptune.memory.measure import measure_peak
+    from steptune.memory.models import build_model, make_batch
+    from steptune.memory.profile import profile_model
+
+    model = build_model("qwen3-tiny")
+    batch = make_batch("qwen3-tiny", batch=1, seq=16)
+    model(**batch).loss.backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    profile_model(model, batch, repeats=1, warmup=0)
+    measure_peak(model, batch, "tapesac_replay")
+    assert max_abs_diff(before, {n: p.grad for n, p in model.named_parameters()}) == 0.0
 
 
 def test_no_grad_forward_runs_untouched():
@@ -199,3 +216,29 @@ def test_blocks_takes_a_class_or_list_and_refuses_anything_else():
         handle.remove()
     with pytest.raises(TypeError, match=r"blocks=123\): give an FQN pattern"):  # was "int is not iterable"
         apply_tapesac_(model, TapeSACConfig(blocks=123))
+
+
+class _ReshapedWeight(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(width, width))
+
+    def forward(self, x):  # reshape views a contiguous weight and copies a column-major one
+        return torch.tanh(x @ (self.w.reshape(-1) + 1.0).reshape(self.w.shape))
+
+
+def test_a_weight_with_other_strides_records_a_new_tape():
+    # Found in a sweep (2026-12-05): load_state_dict(assign=True) with column-major weights reused the tape
+    # recorded on contiguous ones, and backward failed ("view size is not compatible")
+    reference, model = _model(_ReshapedWeight), _model(_ReshapedWeight)
+    handle = apply_tapesac_(model, TapeSACConfig(blocks=(_ReshapedWeight,)))
+    x = torch.randn(4, 32)
+    model(x).backward()
+    column_major = {k: v.detach().clone().t().contiguous().t() for k, v in reference.state_dict().items()}
+    for net in (reference, model):
+        net.load_state_dict(column_major, assign=True)
+        net.zero_grad()
+        net(x).backward()
+    assert max_abs_diff(
+        {n: p.grad for n, p in reference.named_parameters()}, {n: p.grad for n, p in model.named_parameters()}
+    ) == 0.0 and handle.stats.recorded == 4  # fmt: skip

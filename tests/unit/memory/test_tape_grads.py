@@ -198,6 +198,9 @@ def test_save_ops_accepts_packets_and_op_objects(ops):
         ({"aten.mmm.default"}, ValueError, "no op aten.mmm is registered"),
         ({"aten.mm.defualt"}, ValueError, "has no overload 'defualt'; it has default"),
         ({3}, TypeError, "holds 3"),
+        # found in a sweep (2026-12-05): composite ops decompose before the recorder, and were taken
+        ({"aten.linear"}, ValueError, r"aten.linear decomposes .* becomes \(aten.mm / aten.addmm\)"),
+        ({torch.ops.aten.softmax.int}, ValueError, r"aten.softmax.int decomposes .*\(aten._softmax\)"),
     ],
 )
 def test_save_ops_that_would_save_nothing_are_refused(ops, error, match):
