@@ -75,6 +75,10 @@ def test_tune_calls_out_a_step_the_memory_cap_sets(tmp_path, capsys):
     few = ["pipeline", "tune", "--model", "gemma-2b", "--devices", "8", "--microbatches", "2"]
     assert main([*few, "--memory-cap", "10TB", "--time-budget", "1", "--out", str(tmp_path / "f")]) == 0
     assert "MEMORY-BOUND" not in capsys.readouterr().out
+    # ... nor one where no anchor could be built at all (more stages than gemma-2b's 20 layers; a sweep)
+    wide = ["pipeline", "tune", "--model", "gemma-2b", "--devices", "24", "--microbatches", "4"]
+    assert main([*wide, "--memory-cap", "10TB", "--time-budget", "1", "--out", str(tmp_path / "w")]) == 0
+    assert "MEMORY-BOUND" not in capsys.readouterr().out
 
 
 def test_simulate_a_torch_csv_with_unit_costs(tmp_path, capsys):

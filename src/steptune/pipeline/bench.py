@@ -193,12 +193,14 @@ def write_bench(result: dict[str, Any], json_path: Path) -> list[Path]:
         "geomean speedup over the best anchor, heterogeneous configs: "
         + ("- (no heterogeneous config had an anchor)" if geo is None else f"{geo:.3f}x")
     )
-    md = json_path.with_suffix(".md")
+    # beside the JSON, never over it (``--json b.md`` wrote the table over the results; a 2026-12-05 sweep)
+    md, png_path = (json_path.with_name(json_path.name + ext) if json_path.suffix == ext else
+                    json_path.with_suffix(ext) for ext in (".md", ".png"))  # fmt: skip
     md.write_text(table.to_markdown())
     png = bars(
         [r["config"] for r in result["rows"]],
         [r["speedup_vs_best_anchor"] or 0.0 for r in result["rows"]],
-        json_path.with_suffix(".png"),
+        png_path,
         ylabel="speedup vs best anchor (simulated)",
         reference=1.0,
         title="OctoPipe tuner vs best anchor",

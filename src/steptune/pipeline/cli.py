@@ -124,7 +124,9 @@ def _memory_bound_notes(res: Any, cap: float) -> list[str]:
     if res.anchors and res.best_anchor is None:
         notes.append(f"no anchor fits the {cap / 1e9:.4g} GB memory cap; only the tuned schedule does")
     peak = max(best.result.peak_memory)
-    binds = res.best_anchor is None or peak >= 0.8 * cap  # the cap, not M < P, keeps the step long
+    # the cap, not M < P, keeps the step long; no anchor at all (none could be built: M < P, or more stages
+    # than layers) is no sign of a binding cap (found in a sweep: gemma-2b at P=24, M=4, a 10 TB cap)
+    binds = (bool(res.anchors) and res.best_anchor is None) or peak >= 0.8 * cap
     if best.makespan > 2 * res.lower_bound and best.result.bubble_fraction > 0.5 and binds:
         notes.append(
             f"MEMORY-BOUND: the tuned step is {best.makespan / res.lower_bound:.1f}x the lower bound and "

@@ -8,8 +8,11 @@ measured per-layer times. A partition is the number of consecutive model layers 
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from steptune.core.cost import compute_time
 from steptune.core.specs import DeviceSpec, LayerSpec, LinkSpec, ModelSpec, Phase
@@ -23,6 +26,19 @@ __all__ = [
     "stage_costs",
     "uniform_partition",
 ]
+
+
+def _check_fields(costs: Any, what: str, fields: tuple[str, ...]) -> None:
+    """Every field one finite value >= 0 per layer or stage, all of one length >= 1 (a NaN cost vanished
+    from the makespan, a negative one shortened it: found in a sweep on 2026-12-05)."""
+    cls = type(costs).__name__
+    lengths = {name: len(getattr(costs, name)) for name in fields}
+    if len(set(lengths.values())) != 1 or lengths["f"] == 0:
+        raise ValueError(f"{cls}: each field needs one value per {what} (at least one): lengths {lengths}")
+    for name in fields:
+        for k, v in enumerate(getattr(costs, name)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{cls}.{name}[{k}] ({what} {k}) must be a finite number >= 0, got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +55,9 @@ class LayerCosts:
     static_bytes: tuple[float, ...]
     """Parameters, gradients and optimizer state held for the whole step."""
     names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "layer", ("f", "i", "w", "act_bytes", "out_bytes", "static_bytes"))
 
     @property
     def num_layers(self) -> int:
@@ -61,6 +80,11 @@ class StageCosts:
     """P2P link between devices; None means free communication."""
     overhead: float = 0.0
     """Fixed seconds added to every compute action (dispatch, launch)."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "stage", ("f", "i", "w", "act_bytes", "out_bytes", "static_bytes"))
+        if not (math.isfinite(self.overhead) and self.overhead >= 0):
+            raise ValueError(f"StageCosts.overhead must be a finite number >= 0, got {self.overhead!r}")
 
     @property
     def num_stages(self) -> int:

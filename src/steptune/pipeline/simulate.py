@@ -292,7 +292,7 @@ def simulate(
     chan = [0.0] * len(prog.channel_dst)
     spans: list[Span] = []
     bubbles: list[Bubble] = []
-    mem_events: list[list[tuple[float, float]]] = [[] for _ in range(num_dev)]
+    mem_events: list[list[tuple[float, int, float]]] = [[] for _ in range(num_dev)]
     for i, a in enumerate(actions):
         d, ready, w = prog.device[i], starts[i], why[i]
         if w != -1:  # a dependency, not the device, set the start: the gap before it is a bubble
@@ -308,9 +308,9 @@ def simulate(
             )
         # Memory: activations live from F's start to W's (or B's) end.
         if a.kind is ActionKind.F:
-            mem_events[d].append((ready, costs.act_bytes[a.stage]))
+            mem_events[d].append((ready, i, costs.act_bytes[a.stage]))
         elif a.kind in (ActionKind.W, ActionKind.B):
-            mem_events[d].append((end[i], -costs.act_bytes[a.stage]))
+            mem_events[d].append((end[i], i, -costs.act_bytes[a.stage]))
         c = prog.channel[i]
         if with_spans and c >= 0 and comm[i] > 0:  # replay the channel only for its spans
             t0 = max(end[i], chan[c])
@@ -334,7 +334,9 @@ def simulate(
     for d in range(num_dev):
         static = sum(costs.static_bytes[s] for s in schedule.stages_of(d))
         cur = peak = 0.0
-        for _, delta in sorted(mem_events[d], key=lambda e: (e[0], e[1])):  # frees first at equal times
+        # At equal times, program order (the index follows each device's order): a W that ends as the next
+        # F starts frees first, and a zero-length F and its W allocate, then free (a peak of 0 before).
+        for _, _, delta in sorted(mem_events[d], key=lambda e: (e[0], e[1])):
             cur += delta
             peak = max(peak, cur)
         peaks.append(static + peak)

@@ -164,3 +164,35 @@ def test_the_executor_refuses_a_group_of_the_wrong_size_and_plain_modules_before
     with pytest.raises(ValueError, match="rank 5 is not one of"):
         PipelineExecutor(sched, stage, group=_Group(2), **{**kw, "rank": 5})
     PipelineExecutor(sched, stage, group=_Group(2), **kw)  # the right group builds
+
+
+FIELDS = ("f", "i", "w", "act_bytes", "out_bytes", "static_bytes")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("f", (1.0, float("nan"), 1.0, 1.0), r"StageCosts.f\[1\] \(stage 1\) must be a finite .* got nan"),
+        ("w", (1.0, 1.0, -5.0, 1.0), r"StageCosts.w\[2\] \(stage 2\) must be .* got -5.0"),
+        ("i", (1.0, 1.0, 1.0), r"each field needs one value per stage .*'i': 3"),
+    ],
+)  # fmt: skip
+def test_costs_that_are_nan_negative_or_ragged_are_refused(field, value, match):
+    # Found in a sweep (2026-12-05): a NaN stage cost vanished from the makespan (27 where 1F1B gives 33),
+    # a negative one shortened it, and the tuner returned a "best" schedule with a NaN bubble.
+    good = StageCosts.uniform(4)
+    with pytest.raises(ValueError, match=match):
+        StageCosts(**{**{k: getattr(good, k) for k in FIELDS}, field: value})
+    costs = layer_costs(model_preset("llama2-7b"), cluster_preset("dgx-h100").device)
+    bad = (*costs.f[:3], float("inf"), *costs.f[4:])
+    with pytest.raises(ValueError, match=r"LayerCosts.f\[3\] \(layer 3\)"):
+        type(costs)(**{**{k: getattr(costs, k) for k in FIELDS}, "f": bad})
+
+
+@pytest.mark.parametrize("seconds", [1.0, 0.0])
+def test_activations_count_toward_the_peak_when_actions_take_no_time(seconds):
+    # Found in a sweep (2026-12-05): at zero durations the frees sorted before the allocations at the same
+    # instant and GPipe's peak read 0; device 0 holds all 4 microbatches' activations before any backward
+    sched = anchor("gpipe", 2, 4)
+    costs = StageCosts.uniform(2, f=seconds, i=seconds, w=seconds, act_bytes=1.0)
+    assert simulate(sched, costs).peak_memory == (4.0, 4.0)
