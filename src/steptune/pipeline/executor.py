@@ -24,6 +24,7 @@ does); the sleep harness's layers have no such inner path, so its timing is exac
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,19 @@ class ExecutorConfig:
     """Receives posted ahead of the one being consumed (each holds one activation buffer)."""
     timeout: float = 60.0
     """Seconds a single wait may take before the watchdog turns it into an error."""
+
+    def __post_init__(self) -> None:  # a sweep (2026-12-05): -1 gave a KeyError, nan a ValueError later
+        if (
+            isinstance(self.recv_window, bool)
+            or not isinstance(self.recv_window, int)
+            or self.recv_window < 0
+        ):
+            raise ValueError(
+                f"ExecutorConfig.recv_window must be a whole number >= 0, got {self.recv_window!r}"
+            )
+        t = self.timeout
+        if isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t > 0):
+            raise ValueError(f"ExecutorConfig.timeout must be a finite number of seconds > 0, got {t!r}")
 
 
 def check_schedule(schedule: Schedule) -> None:

@@ -196,3 +196,16 @@ def test_activations_count_toward_the_peak_when_actions_take_no_time(seconds):
     sched = anchor("gpipe", 2, 4)
     costs = StageCosts.uniform(2, f=seconds, i=seconds, w=seconds, act_bytes=1.0)
     assert simulate(sched, costs).peak_memory == (4.0, 4.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"recv_window": -1}, "recv_window must be a whole number >= 0"),
+     ({"timeout": -1}, "timeout must be a finite number of seconds > 0"),
+     ({"timeout": float("nan")}, "timeout must be"), ({"timeout": 0}, "timeout must be")],
+)  # fmt: skip
+def test_executor_settings_are_checked_where_made(kwargs, match):
+    from steptune.pipeline.executor import ExecutorConfig
+
+    with pytest.raises(ValueError, match=match):
+        ExecutorConfig(**kwargs)
