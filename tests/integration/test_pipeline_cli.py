@@ -127,3 +127,18 @@ def test_run_on_one_rank_skips_the_ping_pong_instead_of_hanging(tmp_path, capsys
     args = ["pipeline", "run", "--schedule", str(path), "--model", "sleep:gemma-2b", "--ranks", "1"]
     assert main([*args, "--repeats", "1", "--json", str(tmp_path / "r.json")]) == 0
     assert "measured / simulated" in capsys.readouterr().out
+
+
+def test_a_tuned_schedule_names_its_model_when_simulated_with_another(tmp_path, capsys):
+    # Found in a sweep (2026-12-05): nothing recorded the model, so another model of the same unit count was
+    # simulated silently and the "it was tuned for" hint could never show
+    tuned = tmp_path / "t"
+    argv = ["pipeline", "tune", "--model", "llama2-7b", "--devices", "2", "--microbatches", "4"]
+    assert main([*argv, "--time-budget", "0", "--out", str(tuned)]) == 0
+    assert json.loads((tuned / "schedule.json").read_text())["meta"]["model"] == "llama2-7b"
+    capsys.readouterr()
+    sim = ["pipeline", "simulate", "--schedule", str(tuned / "schedule.json"), "--out", str(tmp_path / "s")]
+    assert main([*sim, "--model", "llama3.1-8b"]) == 0
+    assert "was tuned for llama2-7b; simulated with llama3.1-8b's costs" in capsys.readouterr().out
+    assert main([*sim, "--model", "llama2-7b"]) == 0
+    assert "was tuned for" not in capsys.readouterr().out

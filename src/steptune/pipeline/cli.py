@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,9 @@ def _tune(args: argparse.Namespace) -> int:
     ]
     table.print()
     full = resimulate(best, layers, link=link)
-    paths = _write_outputs(args.out, best.schedule, full, f"tuned: {best.recipe}")
+    # the model rides in the schedule, so that `pipeline simulate --model` can name it on a mismatch
+    tuned = replace(best.schedule, meta={**best.schedule.meta, "model": args.model})
+    paths = _write_outputs(args.out, tuned, full, f"tuned: {best.recipe}")
     paths += list(table.write(args.out / "comparison"))
     print("wrote: " + ", ".join(str(p) for p in paths))
     return 0
@@ -160,9 +163,16 @@ def _simulate(args: argparse.Namespace) -> int:
         if part is None:
             part = uniform_partition(layers.num_layers, sched.num_stages)
             notes.append(
-                f"{args.schedule.name} carries no layer partition (a CSV holds only the orders): "
+                f"{args.schedule.name} carries no layer partition (a CSV holds only the orders, and a JSON "
+                "written by hand may not): "
                 f"simulated with the uniform partition {list(part)} and the head unsplit; the tuner's "
                 "schedule.json carries its partition and head split"
+            )
+        tuned = sched.meta.get("model")
+        if tuned and tuned != args.model:  # same unit count, other model: its numbers, not the schedule's
+            notes.append(
+                f"{args.schedule.name} was tuned for {tuned}; simulated with {args.model}'s costs, for which "
+                "it is not tuned"
             )
         costs = stage_costs(layers, part, link=link)
     else:  # unit costs: F = I = W = 1, free communication
