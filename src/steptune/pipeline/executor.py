@@ -203,6 +203,19 @@ class PipelineExecutor:
         mbs = sched.num_microbatches
         if 0 in self.stages and (inputs is None or len(inputs) != mbs):
             raise ValueError(f"rank {rank} holds stage 0: pass {mbs} microbatch inputs")
+        if 0 in self.stages and inputs is not None:
+            ragged = [
+                k
+                for k, x in enumerate(inputs)
+                if getattr(x, "shape", None) != getattr(inputs[0], "shape", None)
+            ]
+            if ragged:  # the peers' receive buffers are sized for one shape: they would compute on garbage
+                k = ragged[0]
+                raise ValueError(
+                    f"microbatch {k}'s input has shape {tuple(inputs[k].shape)}, microbatch 0's "
+                    f"{tuple(inputs[0].shape)}: every microbatch of a step must have one shape (the receive "
+                    "buffers are sized for it); pad the short one, or drop it (DataLoader(drop_last=True))"
+                )
         if self.last in self.stages and (targets is None or len(targets) != mbs):
             raise ValueError(f"rank {rank} holds the last stage: pass {mbs} targets")
         next_recv = 0

@@ -355,3 +355,13 @@ def test_stuck_rank_becomes_an_error_with_every_rank_position():
     assert time.monotonic() - t0 < 10
     msg = info.value.remote_traceback
     assert "ExecutorTimeout" in msg and "rank 0: action" in msg and "rank 1: stuck before" in msg
+
+
+def test_a_ragged_microbatch_is_refused_before_any_communication():
+    # Found in a sweep (2026-12-05): the short last microbatch went out, the next stage received it into a
+    # buffer sized for microbatch 0 and computed on uninitialised memory before failing far away
+    sched = with_partition(ANCHOR_CASES[0][1](2, 4), uniform(4, 2))
+    xs, ys = decoder_data(4)
+    xs[3], ys[3] = xs[3][:1], ys[3][:1]
+    with pytest.raises(RankFailure, match=r"microbatch 3's input has shape \(1, 8\), microbatch 0's"):
+        run_pipeline(sched, decoder(2), xs, ys, lm_loss, timeout=2.0)
