@@ -406,6 +406,11 @@ def _run_block(
 ) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        # under torch.func (grad, vmap, jvp): its wrapped tensors have no storage to key or record, and
+        # its transforms take the gradients themselves; the block runs as it is (found in a 2026-12-05 sweep:
+        # "Cannot access storage of TensorWrapper")
+        return forward(*args, **kwargs)
     if state.config.inner_checkpoint == "flatten":
         forward = functools.partial(_flattened, state, name, forward)
     if getattr(block, "gradient_checkpointing", False) is True and block.training:

@@ -120,7 +120,12 @@ class Frame:
         return value
 
     def _materialize(self) -> None:
-        assert self.tape is not None and self.plan is not None, "backward before forward finished"
+        if self.tape is None or self.plan is None:
+            raise TapeSACError(
+                f"TapeSAC block {self.name!r} ran backward before its forward finished (torch.autograd.grad "
+                "inside its forward, as a force field's or a gradient penalty's does): TapeSAC replays a "
+                "block once its forward is recorded; leave this block out (TapeSACConfig(blocks=...))"
+            )
         for sid, tensor in self.externals.items():
             ext = self.tape.slots[sid].external
             assert ext is not None

@@ -242,3 +242,33 @@ def test_a_weight_with_other_strides_records_a_new_tape():
     assert max_abs_diff(
         {n: p.grad for n, p in reference.named_parameters()}, {n: p.grad for n, p in model.named_parameters()}
     ) == 0.0 and handle.stats.recorded == 4  # fmt: skip
+
+
+class _ForceField(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.a = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        energy = self.a(torch.tanh(x)).sum()
+        return torch.autograd.grad(-energy, x, create_graph=True)[0]  # forces: a gradient inside forward
+
+
+def test_a_gradient_taken_inside_a_blocks_forward_is_a_clear_error_and_torch_func_runs_plainly():
+    # Found in a sweep (2026-12-05): a bare AssertionError ("backward before forward finished"), and
+    # torch.func's grad / vmap failed with "Cannot access storage of TensorWrapper"
+    model = _model(_ForceField)
+    apply_tapesac_(model, TapeSACConfig(blocks=(_ForceField,)))
+    with pytest.raises(TapeSACError, match=r"ran backward before its forward finished .* block out"):
+        model(torch.randn(4, 32, requires_grad=True)).backward()
+    reference, model = _model(), _model()
+    handle = apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
+    x = torch.randn(4, 32)
+
+    def loss(params, net):
+        return torch.func.functional_call(net, params, (x,))
+
+    want = torch.func.grad(loss)(dict(reference.named_parameters()), reference)
+    got = torch.func.grad(loss)(dict(model.named_parameters()), model)
+    detached = [{k: v.detach() for k, v in d.items()} for d in (want, got)]
+    assert max_abs_diff(*detached) == 0.0 and handle.stats.forwards == 0
