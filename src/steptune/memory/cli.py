@@ -136,6 +136,11 @@ def _plan(args: argparse.Namespace) -> int:
             len(block_plan.replay_nodes),
             round(block_plan.replay_s * 1e3, 2),
         )
+    if plan.last_block is not None:  # its row above counts it with the others (a 2026-12-05 sweep)
+        table.notes.append(
+            f"the last block, {plan.last_block}, keeps every value backward reads and replays nothing: its "
+            "backward runs first, so what it keeps is freed before any other block's replay"
+        )
     table.notes.append(
         f"predicted step peak {plan.predicted_peak / 2**20:.1f} MiB, "
         f"predicted replay {plan.predicted_replay_s * 1e3:.1f} ms/step; "
