@@ -87,7 +87,7 @@ def _search_part(args: argparse.Namespace) -> dict[str, Any]:
             )
             rows[policy] = res.report.to_json()
         return {"server": args.llm_url, "policies": rows}
-    wall = 4.0 if args.dry_run else args.search_wall  # the dry run checks the path, not the ratio
+    wall = 2.0 if args.dry_run else args.search_wall  # the dry run checks the path, not the ratio
     rep = run_cpu_lane(wall_s=wall)
     return {"server": "replay", "feedback_per_min_ratio": rep.get("feedback_per_min_ratio"),
             "policies": {k: {m: v[m] for m in ("feedback_count", "feedback_per_min", "early_stops", "server")}

@@ -53,28 +53,38 @@ def test_replayed_llm_iteration_feeds_the_pool(tmp_path):
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_an_interrupted_eval_ends_its_running_candidate_at_once_and_leaves_nothing(sig):
+def test_an_interrupted_eval_ends_its_running_candidate_at_once_and_leaves_nothing(sig, tmp_path):
     # Found in review: Ctrl-C waited for the candidate's timeout (26.9 s of 30) and SIGTERM left the pool's
-    # scratch folder behind.
+    # scratch folder behind. The eval gets a temp folder of its own (TMPDIR): a job folder of any other
+    # process in the shared one ended the wait for "the candidate started" early.
     import glob
+    import os
     import signal
-    import tempfile
     import time
 
-    pattern = str(Path(tempfile.gettempdir()) / "steptune-eval-*")
-    before = set(glob.glob(pattern))
+    pattern = str(tmp_path / "steptune-eval-*")
     cmd = [sys.executable, "-m", "steptune", "kernels", "eval", "--problem", "relu",
            "--candidate", str(EXAMPLES / "adversarial/infinite_loop.py"), "--timeout", "60"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not [j for j in glob.glob(pattern + "/job-*") if j.rsplit("/job-", 1)[0] not in before]:
-        assert proc.poll() is None and time.monotonic() < deadline, "the candidate never started"
-        time.sleep(0.2)
-    time.sleep(1.0)  # the candidate is looping now
-    t0 = time.monotonic()
-    proc.send_signal(getattr(signal, sig))
-    proc.wait(timeout=30)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not glob.glob(pattern + "/job-*"):
+            assert proc.poll() is None and time.monotonic() < deadline, "the candidate never started"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the candidate is looping now
+        t0 = time.monotonic()
+        proc.send_signal(getattr(signal, sig))
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = proc.communicate()[1][-3000:]
+            raise AssertionError(f"{sig} did not end the eval in 30 s: {err}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert time.monotonic() - t0 < 10, "waited for the candidate instead of ending it"
     assert proc.returncode == (130 if sig == "SIGINT" else 143), proc.stderr.read() if proc.stderr else ""
     time.sleep(0.5)
-    assert set(glob.glob(pattern)) <= before, "a scratch folder was left behind"
+    assert not glob.glob(pattern), "a scratch folder was left behind"

@@ -32,7 +32,7 @@ from steptune.memory.measure import (
     time_policies,
 )
 from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
-from steptune.memory.plan import calibrate, last_free_plan, plan_saves
+from steptune.memory.plan import calibrate, last_free_plan, plan_within
 from steptune.memory.profile import profile_model
 
 __all__ = ["FIXED", "bench_table", "dominance", "pareto_plot", "run_bench"]
@@ -95,12 +95,22 @@ def run_bench(
     limits = {int(floor + f * (top - floor)) for f in fractions}
     limits.add(int((rows["full_ac"]["peak_bytes"] + top) / 2))  # the "halfway" limit
     limits |= {r["peak_bytes"] for name, r in rows.items() if name not in ("no_ac", "tapesac_replay")}
+    unplanned: list[dict[str, Any]] = []
     for limit in sorted(limits):
         if limit < floor:
             continue
-        plan = plan_saves(profiles, peak_model, limit)
         name = f"tapesac_plan@{limit / 2**20:.3f}MiB"
-        plans[name] = plan.save_plan(profiles)
+
+        def measured(plan: Any, name: str = name) -> int:
+            plans[name] = plan.save_plan(profiles)
+            return measure_peak(model, batch, name, plans=plans)[0]
+
+        try:
+            plan, _, tightened = plan_within(profiles, peak_model, limit, measured)
+        except ValueError as err:  # no measured plan within this limit: said in the result, not a crash
+            plans.pop(name, None)
+            unplanned.append({"limit_bytes": limit, "error": str(err)})
+            continue
         row = measure(name, plans)
         row.update(
             limit_bytes=limit,
@@ -108,6 +118,7 @@ def run_bench(
             predicted_replay_s=plan.predicted_replay_s,
             solve_s=plan.solve_s,
             kept_values=sum(len(b.keep) for b in plan.blocks.values()),
+            tightened=tightened,
         )
         rows[name] = row
     say("timing")
@@ -135,6 +146,7 @@ def run_bench(
         "machine": f"torch {torch.__version__}, timing on 1 thread",
         "date": time.strftime("%Y-%m-%d"),
         "rows": list(rows.values()),
+        "unplanned_limits": unplanned,
     }
 
 

@@ -80,7 +80,7 @@ def _plan(args: argparse.Namespace) -> int:
     from steptune.core.report import Table
     from steptune.memory.measure import measure_peak, single_thread
     from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
-    from steptune.memory.plan import calibrate, last_free_plan, plan_saves
+    from steptune.memory.plan import calibrate, last_free_plan, plan_within
     from steptune.memory.profile import profile_model
 
     if args.model not in MODEL_PRESETS:
@@ -108,7 +108,11 @@ def _plan(args: argparse.Namespace) -> int:
         )
     else:
         limit, how = int(value), ""
-    plan = plan_saves(profiles, peak_model, limit, solver=args.solver)
+
+    def measured(plan: Any) -> int:
+        return measure_peak(model, batch, "tapesac_plan", plans={"tapesac_plan": plan.save_plan(profiles)})[0]
+
+    plan, peak, tightened = plan_within(profiles, peak_model, limit, measured, solver=args.solver)
     table = Table(
         title=f"TapeSAC plan for {args.model} under {limit / 2**20:.1f} MiB" + (f" ({how})" if how else ""),
         columns=[
@@ -141,8 +145,10 @@ def _plan(args: argparse.Namespace) -> int:
             f"the last block, {plan.last_block}, keeps every value backward reads and replays nothing: its "
             "backward runs first, so what it keeps is freed before any other block's replay"
         )
+    table.notes.extend(tightened)
     table.notes.append(
-        f"predicted step peak {plan.predicted_peak / 2**20:.1f} MiB, "
+        f"measured step peak {peak / 2**20:.2f} MiB (limit {limit / 2**20:.2f} MiB), "
+        f"predicted {plan.predicted_peak / 2**20:.2f} MiB, "
         f"predicted replay {plan.predicted_replay_s * 1e3:.1f} ms/step; "
         f"solver {plan.solver} in {plan.solve_s:.2f} s; costs measured on this machine"
     )

@@ -180,8 +180,10 @@ def test_held_bytes_are_the_buffers_for_peer_and_two_whole_copies_for_snapshot()
     snaps.take(0)
     snaps.take(1)
     assert snaps.held_bytes() == 2 * one
-    snaps.take(3)  # the start of step 2 was never taken: only step 3's is kept
-    assert snaps.held_bytes() == one
+    snaps.take(3)  # step 2's start was never taken (a window of accumulation 1-2): step 1's stays with 3's
+    assert snaps.held_bytes() == 2 * one and sorted(snaps._kept) == [1, 3]
+    snaps.take(4)  # never more than two copies
+    assert snaps.held_bytes() == 2 * one and sorted(snaps._kept) == [3, 4]
 
 
 _SCHEDULERS = {

@@ -222,3 +222,54 @@ def test_a_layer_whose_ops_differ_is_profiled_and_planned_under_its_own_name():
         assert (
             max_abs_diff(reference, grads(model, batch, "tapesac_plan", plans={"tapesac_plan": saves})) == 0.0
         )
+
+
+class _SyncMLP(torch.nn.Module):
+    """LayerNorm, Linear, GELU, a host sync, Linear, dropout: the block whose plans measured over their
+    limit (a 2026-12-05 sweep)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n, self.a, self.b = torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.a(self.n(x)))
+        h = h * (1.0 + 0.0 * float(h.detach().mean() > 0))
+        return x + self.drop(self.b(h))
+
+
+class _SyncNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_SyncMLP() for _ in range(3))
+        self.head = torch.nn.Linear(64, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).pow(2).mean()
+
+
+def test_a_plan_is_measured_and_planned_again_until_its_peak_is_within_the_limit():
+    from steptune.memory.plan import plan_within
+
+    torch.manual_seed(0)
+    model, batch = _SyncNet(), {"x": torch.randn(8, 32, 64)}
+    profiles = profile_model(model, batch, blocks="blocks.*")
+    head, head_lf = [], []
+    floor, _ = measure_peak(model, batch, "tapesac_replay", blocks="blocks.*", head=head)
+    plans = {"tapesac_plan": last_free_plan(profiles)}
+    last_free, _ = measure_peak(model, batch, "tapesac_plan", blocks="blocks.*", plans=plans, head=head_lf)
+    top, _ = measure_peak(model, batch, "no_ac", blocks="blocks.*")
+    peak_model = calibrate(profiles, floor, last_free, head[0], head_lf[0])
+
+    def measured(plan):
+        return measure_peak(
+            model, batch, "tapesac_plan", blocks="blocks.*", plans={"tapesac_plan": plan.save_plan(profiles)}
+        )[0]
+
+    limit = int(floor + 0.5 * (top - floor))
+    assert measured(plan_saves(profiles, peak_model, limit)) > limit  # the model's plan alone: over
+    plan, peak, notes = plan_within(profiles, peak_model, limit, measured)
+    assert peak <= limit and peak == measured(plan) and notes and "over the limit" in notes[0], notes
