@@ -45,7 +45,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from steptune.kernels.agent import PROBLEM_ERROR
 from steptune.kernels.problems import import_source, tolerance
-from steptune.kernels.vary import Pokes, float_leaves, poke, pokes, unpoke
 
 __all__ = ["run_job"]
 
@@ -278,9 +277,8 @@ class _Prepared:
     """Per validation trial: (pristine inputs, the reference's output on a copy of them)."""
     ref_ops: list[str]
     """The reference's compute ops in trial 0."""
-    profile: tuple[list[Any], Any, str] | None
-    """The profiling draw, the reference's output on it, and why its inputs may not be varied between
-    timed calls ("" when they may: ``vary``)."""
+    profile: tuple[list[Any], Any] | None
+    """The profiling draw and the reference's output on it."""
     namespaces: _Namespaces
 
 
@@ -311,8 +309,7 @@ def _prepare(problem: dict[str, Any], workdir: Path, device: str, trials: int, p
             if profile:
                 _seed_all(seed + 99)
                 inputs = _to(list(_draw(prob, "the profiling draw")), device)
-                out = _call(ref, _clones(inputs), "the reference (profiling draw)")
-                timed = (inputs, out, _why_not_vary(ref, inputs, out, seed))
+                timed = (inputs, _call(ref, _clones(inputs), "the reference (profiling draw)"))
     except MemoryError:
         raise
     except _Verdict as v:
@@ -322,29 +319,6 @@ def _prepare(problem: dict[str, Any], workdir: Path, device: str, trials: int, p
             "crashed", f"{PROBLEM_ERROR}building the reference raised {type(exc).__name__}: {exc}"
         ) from exc
     return _Prepared(prob, ref, init, cases, ops, timed, _Namespaces())
-
-
-def _finite(out: Any) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in _outputs(out) if _is_data(t))
-
-
-def _why_not_vary(ref: Any, inputs: list[Any], out: Any, seed: int) -> str:
-    """Why the profiling draw's inputs may not be varied between timed calls ("" when they may): no
-    floating-point input, or a poke breaks what the reference needs of them (it raises, or returns NaN or
-    inf where it did not on the draw), tried on two poked copies."""
-    if not float_leaves(inputs):
-        return "no floating-point input to vary"
-    gen = torch.Generator().manual_seed(seed ^ 0x5EED)
-    for _ in range(2):
-        varied = _clones(inputs)
-        poke(float_leaves(varied), pokes(float_leaves(varied), gen))
-        try:
-            got = ref(*varied)
-        except Exception as exc:
-            return f"the reference raised {type(exc).__name__} on varied inputs ({exc})"
-        if _finite(out) and not _finite(got):
-            return "the reference returned NaN or inf on varied inputs"
-    return ""
 
 
 def _draw(prob: Any, what: str) -> list[Any]:
@@ -600,34 +574,20 @@ def _check_reference_stable(problem: dict[str, Any], first: Any, second: Any) ->
             )
 
 
-def _time_cpu(
-    fn: Callable[[], Any], n: int, keep: int = -1, before: Callable[[int], None] | None = None
-) -> tuple[float, Any]:
-    """Seconds per call over ``n`` calls (each timed alone: ``before(i)``, untimed, varies the inputs), and
-    the output of call ``keep`` (checked after the timing)."""
-    kept, total = None, 0.0
+def _time_cpu(fn: Callable[[], Any], n: int, keep: int = -1) -> tuple[float, Any]:
+    """Seconds per call over ``n`` calls, and the output of call ``keep`` (checked after the timing)."""
+    kept = None
+    t0 = time.perf_counter()
     for i in range(n):
-        if before is not None:
-            before(i)
-        t0 = time.perf_counter()
         out = fn()
-        total += time.perf_counter() - t0
-        if i == keep:  # a copy: an output that views the input would change with the next call's pokes
-            kept = _clone(out)
-    return total / n, kept
+        if i == keep:
+            kept = out
+    return (time.perf_counter() - t0) / n, kept
 
 
-def _time_cuda(
-    fn: Callable[[], Any],
-    n: int,
-    flush: torch.Tensor,
-    keep: int = -1,
-    before: Callable[[int], None] | None = None,
-) -> tuple[float, Any]:
+def _time_cuda(fn: Callable[[], Any], n: int, flush: torch.Tensor, keep: int = -1) -> tuple[float, Any]:
     times, kept = [], None
     for i in range(n):
-        if before is not None:
-            before(i)
         flush.zero_()  # evict L2 (256 MB > any current L2), as KernelBench's cuda_event timing does
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -636,40 +596,17 @@ def _time_cuda(
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
         if i == keep:
-            kept = _clone(out)
+            kept = out
     return statistics.median(times), kept
 
 
 def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dict[str, Any]:
     assert prep.profile is not None
-    inputs, out_r, why_not = prep.profile
+    inputs, out_r = prep.profile
     ref_in, new_in = _clones(inputs), _clones(inputs)
     rounds, round_s = int(job.get("rounds", 15)), float(job.get("round_s", 0.005))
-    seed = int(job["problem"].get("seed", 0))
-    picks = random.Random(seed ^ 0x71AE)
+    picks = random.Random(int(job["problem"].get("seed", 0)) ^ 0x71AE)
     ref = prep.ref
-    # Inputs varied before each timed call (``vary``): a memoized output is then stale or a cache miss.
-    varied = not why_not
-    base, leaves = float_leaves(inputs), {"ref": float_leaves(ref_in), "new": float_leaves(new_in)}
-    gen = torch.Generator().manual_seed(seed ^ 0xCA11)
-    on: dict[str, int | None] = {"ref": None, "new": None}  # the call whose poke is in place on each side
-
-    def restore(side: str) -> None:
-        with torch.no_grad():
-            for t, b in zip(leaves[side], base, strict=True):
-                t.copy_(b)
-        on[side] = None
-
-    def varier(side: str, keep: int, plan: Pokes) -> Callable[[int], None] | None:
-        def before(i: int) -> None:
-            if on[side] is not None:  # back to the draw: only the positions the last call's poke wrote
-                unpoke(leaves[side], base, plan, on[side])
-            # a poke of its own for every call; the checked call (both sides alike) runs on the draw itself
-            on[side] = None if i == keep else i
-            if i != keep:
-                poke(leaves[side], plan, i)
-
-        return before if varied else None
 
     def f_ref() -> Any:
         return ref(*ref_in)
@@ -699,14 +636,9 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
             got: dict[str, float] = {}
             keep = picks.randrange(n)  # one timed call per round, unknown to the candidate, is checked
             kept = None
-            plan = pokes(base, gen, calls=n) if varied else []
             for name, fn in order:
-                k, before = (keep if name == "new" else -1), varier(name, keep, plan)
-                if varied:
-                    restore(name)  # each round starts from the draw
-                got[name], out = (
-                    _time_cuda(fn, n, flush, k, before) if flush is not None else _time_cpu(fn, n, k, before)
-                )
+                k = keep if name == "new" else -1
+                got[name], out = _time_cuda(fn, n, flush, k) if flush is not None else _time_cpu(fn, n, k)
                 kept = out if name == "new" else kept
             # A kernel right on the validation trials but not on the timed calls (a call counter,
             # a cached result) would be timed doing other work than the reference's
@@ -722,8 +654,6 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
         "rounds": rounds,
         "calls_per_round": n,
         "round_ratios": [round(x, 4) for x in ratios],
-        "varied_inputs": varied,
-        **({} if varied else {"not_varied": why_not}),
     }
 
 

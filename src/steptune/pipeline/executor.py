@@ -203,21 +203,6 @@ class PipelineExecutor:
         mbs = sched.num_microbatches
         if 0 in self.stages and (inputs is None or len(inputs) != mbs):
             raise ValueError(f"rank {rank} holds stage 0: pass {mbs} microbatch inputs")
-        if 0 in self.stages and inputs is not None:
-            ragged = [
-                k
-                for k, x in enumerate(inputs)
-                if getattr(x, "shape", None) != getattr(inputs[0], "shape", None)
-            ]
-            if ragged:  # the peers' receive buffers are sized for one shape: they would compute on garbage
-                k = ragged[0]
-                raise ValueError(
-                    f"microbatch {k}'s input has shape {tuple(inputs[k].shape)}, microbatch 0's "
-                    f"{tuple(inputs[0].shape)}: every microbatch of a step must have one shape (the receive "
-                    "buffers are sized for it); pad the short one, or drop it (DataLoader(drop_last=True))"
-                )
-        if self.last in self.stages and (targets is None or len(targets) != mbs):
-            raise ValueError(f"rank {rank} holds the last stage: pass {mbs} targets")
         next_recv = 0
         pending: dict[tuple[str, int, int], _Recv] = {}
         local: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -247,6 +232,15 @@ class PipelineExecutor:
             if dst == rank:
                 local[key] = tensor
             else:
+                shape = self.boundary[key[1] - 1 if key[0] == "f" else key[1]][0]
+                if tuple(tensor.shape) != tuple(shape):  # the peer's buffer is sized for this: it would
+                    # compute on uninitialised memory (a short last microbatch; found in a 2026-12-05 sweep)
+                    what = "output" if key[0] == "f" else "input gradient"
+                    raise ValueError(
+                        f"microbatch {key[2]}'s {what} at the boundary to stage {key[1]} has shape "
+                        f"{tuple(tensor.shape)}, the boundary's is {tuple(shape)}: every microbatch must "
+                        "cross it at one shape; pad the short one, or drop it (DataLoader(drop_last=True))"
+                    )
                 sends.append(
                     (isend(tensor.contiguous(), dst, self.group, tag=tag), f"send {key} to rank {dst}")
                 )

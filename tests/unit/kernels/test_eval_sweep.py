@@ -225,56 +225,23 @@ def test_review_of_the_sweep_fixes_torch_compile_numpy_inputs_and_numpy_init(poo
     assert verdict == "correct", reason
 
 
-def test_a_candidate_memoizing_by_input_values_is_caught_while_timed(pools):
-    # Keyed by the input's address and three sampled values, it was "correct, 3.64x" over torch's softmax
-    # (its honest version: 0.47x): every timed call ran on the same draw and got a copy of the cached output.
-    # The inputs now change before each timed call; the checked call's draw was fixed, and its reference
-    # output computed, before the candidate was imported.
-    checked, _ = pools
-    memo = _candidate(
-        "x = a[0]; f = x.view(-1); k = (x.data_ptr(), float(f[0]), float(f[f.numel() // 2]), float(f[-1]))\n"
-        "        if k != self.key:\n"
-        "            self.out = self.sm(x); self.key = k\n"
-        "        return self.out.clone()",
-        init="self.key = None; self.out = None",
-        prelude=f"def _sm(*a):\n    {HAND_SOFTMAX}\n",
-    ).replace("self.sm(x)", "_sm(x)")
-    verdict, reason = _verdict(checked, SOFTMAX, memo, kind="profile")
-    assert verdict == "incorrect" and "in a timed call (round" in reason, reason
-    res = checked.submit(SOFTMAX, _candidate(HAND_SOFTMAX), kind="profile").result(timeout=120)
-    assert res.verdict == "correct" and res.extra["varied_inputs"] is True, res
-
-
-def test_inputs_a_poke_would_break_are_timed_unvaried_and_say_so(pools):
-    # log of the gaps of a sorted input: a poke unsorts it and the reference returns NaN, which shows before
-    # the candidate is imported, so those inputs are timed as they were drawn.
-    sorted_gaps = _problem(
-        "gaps", "return torch.log(torch.diff(a[0]))", "[torch.sort(torch.randn(1000)).values]"
-    )
-    checked, _ = pools
-    gaps = _candidate("return torch.log(a[0][1:] + (-a[0][:-1]))")
-    res = checked.submit(sorted_gaps, gaps, kind="profile").result(120)
-    assert res.verdict == "correct", res
-    assert res.extra["varied_inputs"] is False, res
-    assert "NaN or inf on varied inputs" in res.extra["not_varied"], res
-
-
 @pytest.mark.parametrize(
     ("forward", "inputs", "candidate"),
     [
-        # an output that views the input changed with the next call's poke before it was compared
+        # an output that views its input
         ("return torch.flatten(a[0], 1)", "[torch.randn(64, 8, 32)]", "return a[0].view(a[0].shape[0], -1)"),
-        # a poke unsorts the input: the checked call runs on the draw itself, so sortedness holds there
+        # sorted input values the candidate relies on
         ("return torch.searchsorted(a[0], a[1])", "[torch.sort(torch.randn(2000)).values, torch.randn(500)]",
          "return (a[0].unsqueeze(0) < a[1].unsqueeze(1)).sum(1)"),
-        # a strided (non-dense) float input, which the copies make dense
+        # a strided (non-dense) float input
         ("return a[0] * 2 + a[1].sum()", "[torch.randn(64, 64)[:, ::2], torch.randn(64, 32)]",
          "return a[0] + a[0] + a[1].sum()"),
     ],
     ids=["output-views-input", "sorted-input", "strided-input"],
 )  # fmt: skip
-def test_honest_kernels_stay_correct_with_varied_inputs(pools, forward, inputs, candidate):
-    # Found in review of the varied inputs (2026-12-05): each of these was incorrect or a problem error
+def test_kernels_of_views_sorted_and_strided_inputs_profile_as_correct(pools, forward, inputs, candidate):
+    # A first version of varied profiling inputs (session 44, reverted) judged each of these incorrect or a
+    # problem error: the cases any later version must pass
     checked, _ = pools
     res = checked.submit(_problem("p", forward, inputs), _candidate(candidate), kind="profile").result(120)
-    assert res.verdict == "correct" and res.extra["varied_inputs"] is True, res
+    assert res.verdict == "correct", res
