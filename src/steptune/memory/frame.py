@@ -80,9 +80,8 @@ class Frame:
         # a value written in place after it was packed must fail here as it does without TapeSAC, where
         # replay would hand backward the newer value and wrong gradients.
         for key in self.pending:
-            now = tape.group_version[tape.slots[key[0]].group]
-            if now != key[1]:
-                self.stale[key] = now
+            if key in tape.stale:
+                self.stale[key] = tape.group_version[tape.slots[key[0]].group]
         self.externals = {sid: externals[sid] for sid in _external_reads(tape, self.plan)}
         self.versions = {sid: t._version for sid, t in self.externals.items()}
         self.saved = {key: tape.captured[key] for key in self.plan.reads_saved if key in tape.captured}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -127,6 +128,12 @@ class Recorder(TorchDispatchMode):
         self.group_writes: dict[int, list[tuple[int, int]]] = {}
         self.group_version: dict[int, int] = {}
         self.packs: list[ValueKey | None] = []
+        # Autograd checks a saved tensor's version when backward unpacks it, except under saved-tensor hooks
+        # (ours): a packed value written in place later (its autograd version moved, not only our storage
+        # version: a write through ``.data`` does not count) is stale, and unpacking it must raise.
+        self._pack_refs: dict[int, list[tuple[ValueKey, Any, int]]] = {}
+        self._unchecked: set[int] = set()  # groups written since the last check (autograd bumps after us)
+        self.stale: set[ValueKey] = set()
         self.pack_meta: list[tuple[tuple[int, ...], torch.dtype]] = []
         self.captured: dict[ValueKey, torch.Tensor] = {}
         self.keep_outputs = False
@@ -205,6 +212,8 @@ class Recorder(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         start = time.perf_counter()
+        if self._unchecked:
+            self._check_stale()
         if self.pack_fn is not None and self.inner_checkpoint is None and self.inner_hooks is None:
             top = torch._C._autograd._top_saved_tensors_default_hooks(True)
             if top is not None and top[0] is not self.pack_fn:
@@ -256,6 +265,8 @@ class Recorder(TorchDispatchMode):
             self.group_version[group] += 1
             self.group_writes.setdefault(group, []).append((self.group_version[group], index))
             node.writes.append(group)
+            if group in self._pack_refs:
+                self._unchecked.add(group)
         flat_out = tree_flatten(out)[0]
         for pos, o in enumerate(flat_out):
             if not isinstance(o, torch.Tensor):
@@ -305,10 +316,21 @@ class Recorder(TorchDispatchMode):
             sid = self._keys.get(_view_key(t, group))
             if sid is not None and self.slots[sid].producer >= 0:
                 key = (sid, self.group_version[group])
+                self._pack_refs.setdefault(group, []).append((key, weakref.ref(t), t._version))
         self.packs.append(key)
         return key
 
+    def _check_stale(self) -> None:
+        for group in self._unchecked:
+            for key, ref, version in self._pack_refs[group]:
+                t = ref()
+                if t is not None and t._version != version:  # gone: nothing tells (assume not written)
+                    self.stale.add(key)
+        self._unchecked.clear()
+
     def tape(self) -> Tape:
+        if self._unchecked:
+            self._check_stale()
         final = {
             key: t
             for key, t in self.captured.items()
@@ -324,6 +346,7 @@ class Recorder(TorchDispatchMode):
             group_version=self.group_version,
             packs=self.packs,
             pack_meta=self.pack_meta,
+            stale=frozenset(self.stale),
             captured=final,
         )
 

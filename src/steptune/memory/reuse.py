@@ -213,6 +213,7 @@ def template_from(tape: Tape, plan: ReplayPlan, keep: frozenset[int] = frozenset
         packs=tape.packs,
         pack_meta=tape.pack_meta,
         captured={},
+        stale=tape.stale,
     )
     return Template(stripped, plan, tuple(dict.fromkeys(externals)), keep, _param_casts(tape))
 

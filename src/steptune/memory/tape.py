@@ -119,6 +119,9 @@ class Tape:
     pack_meta: list[tuple[tuple[int, ...], torch.dtype]]
     captured: dict[ValueKey, torch.Tensor]
     """Values held since forward: force-saved outputs and the save policy's choices."""
+    stale: frozenset[ValueKey] = frozenset()
+    """Packed values written in place (autograd's version moved) later in the forward: unpacking one raises
+    autograd's "modified by an inplace operation", as training without TapeSAC does."""
 
     def final(self, sid: int) -> ValueKey:
         return (sid, self.group_version[self.slots[sid].group])

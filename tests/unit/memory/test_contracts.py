@@ -71,6 +71,27 @@ def test_a_value_written_in_place_after_autograd_saved_it_raises_as_without_tape
             model(torch.randn(4, 32)).backward()
 
 
+class _DataWrite(_WriteAfterSave):
+    def forward(self, x):
+        y = torch.sigmoid(self.a(x))
+        y.data.clamp_(0.2, 0.8)  # through .data: autograd's version does not move, and it trains
+        return x + y * self.w
+
+
+def test_a_write_through_data_after_autograd_saved_the_value_trains_as_without_tapesac():
+    # Found in review (2026-12-05): the first version of the check above compared storage versions and
+    # raised here, where training without TapeSAC does not
+    reference, model = _model(_DataWrite), _model(_DataWrite)
+    apply_tapesac_(model, TapeSACConfig(blocks=(_DataWrite,)))
+    x = torch.randn(4, 32)
+    for net in (reference, model):
+        for _ in range(2):  # recorded, then reused
+            net.zero_grad()
+            net(x).backward()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert max_abs_diff({n: p.grad for n, p in reference.named_parameters()}, got) == 0.0
+
+
 def test_a_new_shape_records_a_new_tape():
     model = _model()
     handle = apply_tapesac_(model, TapeSACConfig(blocks=(DenseBlock,)))
