@@ -274,6 +274,8 @@ class Elastic:
         if not self._accumulating():
             self._state.take(self._step)
             self._taken = (self._step, self._versions())
+        with contextlib.suppress(RuntimeError):  # for the launcher: inside an attempt of this step
+            self._store.set(f"attempt/{self.orig}", str(self._step))
         self._synced = self._comm_failed = False
         self._works.clear()  # the last attempt's all-reduces, all complete (it succeeded)
         try:

@@ -279,10 +279,11 @@ class Coordinator:
                 count = int(self.store.add(f"rejoining/{gen}", 0))
         silent = [] if count == 0 else sorted(r for r in expect if not self.store.check([f"alive/{gen}/{r}"]))
         if silent:
-            # A rank that completed more steps than every rank rejoining is not stuck among them: it is
-            # past their failed step (a split last step) and busy after its loop (an eval, a save).
+            # A rank that completed more steps than every rank rejoining, and entered no attempt since, is
+            # not stuck among them: it is past their failed step (a split last step) and busy after its loop
+            # (an eval, a save). One inside a later attempt would have failed its collective and announced.
             done = max((_progress(self.store, r) for r in expect if r not in silent), default=0)
-            silent = [r for r in silent if _progress(self.store, r) <= done]
+            silent = [r for r in silent if not _past(self.store, r, done)]
         if not silent:
             self._silent_since = None
             return
@@ -298,6 +299,14 @@ class Coordinator:
         if self.kill is not None:
             self.kill(silent)
         self.died({r: -signal.SIGKILL for r in silent})
+
+
+def _past(store: Any, rank: int, done: int) -> bool:
+    """Whether ``rank`` completed more than ``done`` steps and has not entered an attempt since."""
+    progress = _progress(store, rank)
+    key = f"attempt/{rank}"
+    entered = int(store.get(key).decode()) if store.check([key]) else -1
+    return progress > done and entered < progress
 
 
 def _progress(store: Any, rank: int) -> int:

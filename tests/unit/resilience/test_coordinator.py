@@ -83,6 +83,17 @@ def test_a_silent_rank_past_its_peers_step_is_not_taken_for_hung():
     coord.tick()
     assert killed == [2] and coord.hung.keys() == {2}, (killed, coord.hung)  # rank 2 is stuck in step 3
     assert json.loads(store.get("members/1")) == [0, 1]  # rank 0 is listed: it finishes or rejoins
+    # ... but one that entered a later attempt and stays silent is stuck there (review: it was exempt forever)
+    store, killed = master_store(), []
+    coord = Coordinator(store, {0, 1}, hang_s=0.05, kill=killed.extend)
+    store.set("progress/0", "4")
+    store.set("attempt/0", "4")
+    store.set("progress/1", "3")
+    _announce(store, 1, [1], 3)
+    coord.tick()
+    time.sleep(0.1)
+    coord.tick()
+    assert killed == [0], killed
 
 
 def test_without_hang_s_a_silent_rank_is_waited_for_and_a_late_one_is_not_killed():
