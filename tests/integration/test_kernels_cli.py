@@ -66,7 +66,17 @@ def test_an_interrupted_eval_ends_its_running_candidate_at_once_and_leaves_nothi
     cmd = [sys.executable, "-m", "steptune", "kernels", "eval", "--problem", "relu",
            "--candidate", str(EXAMPLES / "adversarial/infinite_loop.py"), "--timeout", "60"]  # fmt: skip
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+
+    def as_from_a_shell() -> None:
+        # In the full serial pass an earlier test leaves SIGINT blocked or ignored in this process (not yet
+        # found which; 3 of 3 full runs on 2026-12-05, never alone), and a child inherits both: the eval then
+        # never sees Ctrl-C. A shell starts a command with them reset, as here.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=as_from_a_shell
+    )
     try:
         deadline = time.monotonic() + 60
         while not glob.glob(pattern + "/job-*"):
