@@ -68,9 +68,9 @@ def test_an_interrupted_eval_ends_its_running_candidate_at_once_and_leaves_nothi
     env = {**os.environ, "TMPDIR": str(tmp_path)}
 
     def as_from_a_shell() -> None:
-        # In the full serial pass an earlier test leaves SIGINT blocked or ignored in this process (not yet
-        # found which; 3 of 3 full runs on 2026-12-05, never alone), and a child inherits both: the eval then
-        # never sees Ctrl-C. A shell starts a command with them reset, as here.
+        # In the full serial pass (3 of 3 runs on 2026-12-05, never alone) the eval never saw Ctrl-C, as when
+        # it inherits SIGINT blocked or ignored; the cause is not found. A shell starts a command with both
+        # reset, as here.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
