@@ -304,16 +304,17 @@ class Coordinator:
 def _past(store: Any, rank: int, done: int) -> bool:
     """Whether ``rank`` completed more than ``done`` steps and has not entered an attempt since."""
     progress = _progress(store, rank)
-    key = f"attempt/{rank}"
-    entered = int(store.get(key).decode()) if store.check([key]) else -1
-    return progress > done and entered < progress
+    return progress > done and _store_int(store, f"attempt/{rank}", -1) < progress
 
 
 def _progress(store: Any, rank: int) -> int:
     """The steps ``rank`` reported complete (``progress/<rank>``, written by ``elastic.Elastic``; 0 when
     it wrote none, as the other jobs' ranks)."""
-    key = f"progress/{rank}"
-    return int(store.get(key).decode()) if store.check([key]) else 0
+    return _store_int(store, f"progress/{rank}", 0)
+
+
+def _store_int(store: Any, key: str, default: int) -> int:
+    return int(store.get(key).decode()) if store.check([key]) else default
 
 
 def _all_rejoining(store: Any, gen: int, ranks: set[int]) -> bool:
