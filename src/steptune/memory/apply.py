@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from steptune.memory.frame import Frame, ReplayStats, pack_hook, unpack_hook
 from steptune.memory.inner import flattened_checkpoints
-from steptune.memory.record import Recorder, _external_key
+from steptune.memory.record import PureOps, Recorder, _external_key
 from steptune.memory.reuse import (
     TemplateCache,
     run_reused,
@@ -57,6 +57,12 @@ class TapeSACConfig:
     memory planner (issue #4) chooses per-value save sets instead."""
     save_fn: Callable[[OpNode], bool] | None = None
     """Advanced: decide per recorded node whether its outputs are saved."""
+    pure_ops: frozenset[str] = frozenset()
+    """Custom (``torch.library``) ops to replay and reuse tapes through, as aten ops are: name only ops
+    that are deterministic, write nothing their schema hides and whose output shapes follow their input
+    shapes (``{"mylib.fused_rmsnorm"}``). TapeSAC cannot see inside a custom op's kernel, so by default
+    it holds their outputs from forward and records every call of a block that runs one (one block
+    with a custom op trained 35% slower)."""
     reuse_tapes: bool = True
     """Record each block's first call per signature (shapes, dtypes, training flag, autocast) and reuse
     the tape while it provably cannot change (no random op, host sync or data-dependent shape); blocks
@@ -140,6 +146,8 @@ class TapeSAC:
     warned_unkeyable: bool = False
     warned_inner: bool = False
     warned_unplanned: bool = False
+    pure: PureOps = (frozenset(), frozenset())
+    """``config.pure_ops`` checked: (overload names, packet names)."""
 
     @property
     def model(self) -> nn.Module | None:
@@ -234,6 +242,7 @@ def apply_tapesac_(
     if templates is not None:
         state.templates = templates
     _save_fn(config)  # checks save_ops before anything is wrapped
+    state.pure = pure_op_names(config.pure_ops)
     nested = _wrapping(model, state.blocks, _checkpoints)
     if nested is not None:
         raise ValueError(
@@ -308,15 +317,29 @@ def _save_fn(config: TapeSACConfig) -> Callable[[OpNode], bool] | None:
     return lambda node: node.name in exact or node.name.rpartition(".")[0] in packets
 
 
-def save_op_names(save_ops: Any) -> tuple[frozenset[str], frozenset[str]]:
-    """``TapeSACConfig.save_ops`` checked against the op registry: (overload names such as
-    ``"aten.mm.default"``, packet names such as ``"aten.mm"``, which stand for every overload).
-    Accepts names, ``torch.ops.aten.mm.default`` and ``torch.ops.aten.mm``; anything else is an error
-    that says what to write, since an unknown name would otherwise save nothing, silently."""
+def pure_op_names(pure_ops: Any) -> PureOps:
+    """``TapeSACConfig.pure_ops`` checked as :func:`save_op_names` checks ``save_ops``; aten and prims ops
+    are refused, since TapeSAC judges them by their tags."""
+    exact, packets = save_op_names(pure_ops, "pure_ops")
+    for name in sorted(exact | packets):
+        if name.split(".")[0] in ("aten", "prims"):
+            raise ValueError(
+                f"TapeSACConfig.pure_ops: {name} is a torch op, which TapeSAC already judges by its tags "
+                "(random, host sync, data-dependent shape); pure_ops is for custom torch.library ops"
+            )
+    return exact, packets
+
+
+def save_op_names(save_ops: Any, what: str = "save_ops") -> tuple[frozenset[str], frozenset[str]]:
+    """``TapeSACConfig.save_ops`` (or another op-name field, ``what``) checked against the op registry:
+    (overload names such as ``"aten.mm.default"``, packet names such as ``"aten.mm"``, which stand for
+    every overload). Accepts names, ``torch.ops.aten.mm.default`` and ``torch.ops.aten.mm``; anything
+    else is an error that says what to write, since an unknown name would otherwise do nothing, silently."""
+    field_name = f"TapeSACConfig.{what}"
     if isinstance(save_ops, str):
         raise TypeError(
-            f"TapeSACConfig(save_ops={save_ops!r}) takes a collection of op names, not one string: "
-            f"write save_ops={{{save_ops!r}}}"
+            f"TapeSACConfig({what}={save_ops!r}) takes a collection of op names, not one string: "
+            f"write {what}={{{save_ops!r}}}"
         )
     exact: set[str] = set()
     packets: set[str] = set()
@@ -329,7 +352,7 @@ def save_op_names(save_ops: Any) -> tuple[frozenset[str], frozenset[str]]:
             continue
         if not isinstance(op, str):
             raise TypeError(
-                f"TapeSACConfig.save_ops holds {op!r} ({type(op).__name__}); use op names such as "
+                f"{field_name} holds {op!r} ({type(op).__name__}); use op names such as "
                 "'aten.mm.default' or torch.ops.aten.mm.default"
             )
         parts = op.split(".")
@@ -340,16 +363,14 @@ def save_op_names(save_ops: Any) -> tuple[frozenset[str], frozenset[str]]:
                 if known
                 else "a namespaced name such as 'aten.mm.default'"
             )
-            raise ValueError(f"TapeSACConfig.save_ops: {op!r} names no op; write {hint}")
+            raise ValueError(f"{field_name}: {op!r} names no op; write {hint}")
         if len(parts) > 3:
-            raise ValueError(
-                f"TapeSACConfig.save_ops: {op!r} is not 'namespace.op' or 'namespace.op.overload'"
-            )
+            raise ValueError(f"{field_name}: {op!r} is not 'namespace.op' or 'namespace.op.overload'")
         try:
             packet = getattr(getattr(torch.ops, parts[0]), parts[1])
         except (AttributeError, RuntimeError):
             raise ValueError(
-                f"TapeSACConfig.save_ops: no op {parts[0]}.{parts[1]} is registered (names look like "
+                f"{field_name}: no op {parts[0]}.{parts[1]} is registered (names look like "
                 "'aten.mm.default'; custom ops must be registered before apply_tapesac_)"
             ) from None
         if len(parts) == 2:
@@ -358,11 +379,11 @@ def save_op_names(save_ops: Any) -> tuple[frozenset[str], frozenset[str]]:
             exact.add(op)
         else:
             raise ValueError(
-                f"TapeSACConfig.save_ops: {parts[0]}.{parts[1]} has no overload {parts[2]!r}; it has "
+                f"{field_name}: {parts[0]}.{parts[1]} has no overload {parts[2]!r}; it has "
                 f"{', '.join(packet.overloads())} ('{parts[0]}.{parts[1]}' for all of them)"
             )
     for name in sorted(exact | packets):
-        _refuse_decomposed(name)
+        _refuse_decomposed(name, what)
     return frozenset(exact), frozenset(packets)
 
 
@@ -378,7 +399,7 @@ _BECOMES = {
 }
 
 
-def _refuse_decomposed(name: str) -> None:
+def _refuse_decomposed(name: str, what: str = "save_ops") -> None:
     """An op whose every named overload is CompositeImplicitAutograd decomposes before the recorder sees
     it, so saving it would save nothing (found in a sweep: ``aten.linear`` was taken, silently)."""
     ns, op, *overload = name.split(".")
@@ -389,9 +410,10 @@ def _refuse_decomposed(name: str) -> None:
     if overloads and all(getattr(packet, o).has_kernel_for_dispatch_key(cia) for o in overloads):
         becomes = _BECOMES.get(op)
         hint = f"name what it becomes ({becomes})" if becomes else "name the ops it decomposes into"
+        effect = "saving it would save nothing" if what == "save_ops" else "the recorder judges those instead"
         raise ValueError(
-            f"TapeSACConfig.save_ops: {name} decomposes into other ops before TapeSAC's recorder sees it "
-            f"(CompositeImplicitAutograd), so saving it would save nothing; {hint}"
+            f"TapeSACConfig.{what}: {name} decomposes into other ops before TapeSAC's recorder sees it "
+            f"(CompositeImplicitAutograd), so {effect}; {hint}"
         )
 
 
@@ -446,13 +468,14 @@ def _run_block(
         )
     # the save policy is part of a template's identity: a tape recorded under another policy (an earlier
     # handle's templates=) must not stand in for this one
-    tkey = state.templates.key(name, (key, keep, frozenset(state.config.save_ops), state.config.save_fn))
+    policy = (frozenset(state.config.save_ops), state.config.save_fn, state.pure)
+    tkey = state.templates.key(name, (key, keep, *policy))
     if key is not None and state.config.reuse_tapes:
         template = state.templates.usable(name, tkey)
         if template is not None:
             return run_reused(template, Frame(name, stats), block, forward, args, kwargs)
     externals = _external_map(block, args, kwargs)
-    recorder = Recorder(externals, save_fn=save_fn, count_flops=state.config.count_flops)
+    recorder = Recorder(externals, save_fn=save_fn, count_flops=state.config.count_flops, pure_ops=state.pure)
     recorder.keep_outputs = state.keep_outputs
     frame = Frame(name, stats)
 

@@ -31,6 +31,19 @@ from steptune.memory.tape import ExternalRef, OpNode, Slot, Tape, ValueKey, _Ref
 
 __all__ = ["Recorder", "force_save_reason", "op_flops"]
 
+PureOps = tuple[frozenset[str], frozenset[str]]
+_LEAF_TYPES = (
+    int,
+    float,
+    bool,
+    str,
+    complex,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d", "_c10d_functional_autograd", "_dtensor"})
 # Ops whose tags say whether they draw random numbers or sync with the host; others are custom ops.
 _TORCH_NAMESPACES = frozenset({"aten", "prims"})
@@ -39,12 +52,19 @@ _HIDDEN_WRITERS = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_ba
 _SYNC_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
 
-def force_save_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> str | None:
-    """Why the op cannot be replayed safely, from its schema, tags and devices (None if it can)."""
+def force_save_reason(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: Any,
+    pure: PureOps = (frozenset(), frozenset()),
+) -> str | None:
+    """Why the op cannot be replayed safely, from its schema, tags and devices (None if it can).
+    ``pure``: (overload names, packet names) of custom ops the user declared replayable."""
     namespace = getattr(func, "namespace", "")
     if namespace in _COLLECTIVE_NAMESPACES:
         return "collective"
-    if namespace not in _TORCH_NAMESPACES:
+    if namespace not in _TORCH_NAMESPACES and not _declared_pure(func, pure) and not _inert(func, out):
         # A torch.library op's kernel runs below the recorder and carries none of aten's tags: it may draw
         # random numbers (a fused dropout mask gave wrong gradients when replayed) or have side effects.
         return "custom op (its kernel is hidden from the tape: random or side effects cannot be ruled out)"
@@ -61,6 +81,20 @@ def force_save_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if _crosses_to_host(args, out):
         return "host sync or data-dependent shape"
     return None
+
+
+def _declared_pure(func: Any, pure: PureOps) -> bool:
+    name = str(func)
+    return name in pure[0] or name.rpartition(".")[0] in pure[1]
+
+
+def _inert(func: Any, out: Any) -> bool:
+    """A custom op that returns no tensor and whose schema writes none (``record_function``'s profiler
+    ops return a handle): backward can never need it, so it neither is replayed nor stops tape reuse."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    return not any(isinstance(o, torch.Tensor) for o in tree_flatten(out)[0])
 
 
 def _integer_indexing(func: Any, args: tuple[Any, ...]) -> bool:
@@ -118,9 +152,11 @@ class Recorder(TorchDispatchMode):
         externals: dict[tuple[Any, ...], ExternalRef],
         save_fn: Callable[[OpNode], bool] | None = None,
         count_flops: bool = False,
+        pure_ops: PureOps = (frozenset(), frozenset()),
     ) -> None:
         super().__init__()
         self._external_refs = externals
+        self._pure_ops = pure_ops
         self._save_fn = save_fn
         self._count_flops = count_flops
         self.nodes: list[OpNode] = []
@@ -250,11 +286,16 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         start = time.perf_counter()
         index = len(self.nodes)
-        reason = force_save_reason(func, args, kwargs, out)
+        reason = force_save_reason(func, args, kwargs, out, self._pure_ops)
         if self._opaque_depth:
             reason = "kernel outside the dispatcher (inside a custom autograd.Function)"
         if any(self.slots[sid].producer == -2 for sid, _ in reads):
             reason = "reads a view made outside the dispatcher"
+        if reason is None and getattr(func, "namespace", "") not in _TORCH_NAMESPACES and _inert(func, out):
+            # never replayed: keep no handle alive (a profiler's ``_RecordFunction``), and compare by type
+            template = [
+                a if isinstance(a, (_Ref, *_LEAF_TYPES)) else f"<{type(a).__qualname__}>" for a in template
+            ]
         node = OpNode(index, func, template, spec, reads, [], [], random=random, rng_state=rng_state)
         for t in written:
             key = self.lookup(t)
@@ -434,6 +475,10 @@ def _patched_apply(fn_cls: Any, *args: Any, **kwargs: Any) -> Any:
         # register_full_backward_hook's identity Function (it returns its inputs, which keep their storage):
         # nothing runs outside the dispatcher, so nothing needs saving (it force-saved every value it
         # touched: 6.55 -> 8.42 MiB of peak with hooks on each Linear; a 2026-12-05 sweep)
+        return _original_apply(fn_cls, *args, **kwargs)
+    if fn_cls.__module__ == "torch._library.autograd" and not recorder._opaque_depth:
+        # a torch.library op's autograd (register_autograd): its forward redispatches the op, which the
+        # recorder sees and judges as any custom op (force-saved unless TapeSACConfig.pure_ops names it)
         return _original_apply(fn_cls, *args, **kwargs)
     if fn_cls is CheckpointFunction and not recorder._opaque_depth:
         # torch's reentrant checkpoint runs its function under no_grad through the dispatcher: the
