@@ -161,6 +161,12 @@ def _simulate(args: argparse.Namespace) -> int:
                 + f"tune a schedule for {args.model} (steptune pipeline tune --model {args.model} ...)"
             )
         if part is None:
+            if sched.num_stages > layers.num_layers:
+                raise ValueError(
+                    f"{args.schedule}: its {sched.num_stages} stages need at least one layer each, and "
+                    f"--model {args.model} has {layers.num_layers}; use a schedule with at most "
+                    f"{layers.num_layers} stages (steptune pipeline tune --model {args.model} ...)"
+                )
             part = uniform_partition(layers.num_layers, sched.num_stages)
             notes.append(
                 f"{args.schedule.name} carries no layer partition (a CSV holds only the orders, and a JSON "

@@ -109,6 +109,16 @@ def test_simulating_a_csv_with_a_model_says_which_partition_it_used(tmp_path: Pa
     assert "carries no layer partition" in out and "uniform partition [" in out and "head unsplit" in out
 
 
+def test_a_csv_with_more_stages_than_the_models_layers_is_refused_naming_the_file(
+    tmp_path: Path, capsys
+) -> None:
+    csv_path = anchor("1f1b", 40, 4).save(tmp_path / "s40.csv")  # gemma-2b has 20 units
+    assert main(["pipeline", "simulate", "--schedule", str(csv_path), "--model", "gemma-2b",
+                 "--out", str(tmp_path / "o")]) == 2  # fmt: skip
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{csv_path}: its 40 stages need at least one layer each" in err and "at most 20 stages" in err
+
+
 def test_unit_cost_simulation_refuses_a_byte_cap_and_warns_of_ignored_options(tmp_path: Path, capsys) -> None:
     csv_path = anchor("1f1b", 2, 2).save(tmp_path / "s.csv")
     base = ["pipeline", "simulate", "--schedule", str(csv_path), "--out", str(tmp_path / "o")]
