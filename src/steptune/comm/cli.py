@@ -69,11 +69,13 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from steptune.comm.constants import CommConstants
+    from steptune.comm.constants import CommConstants, gamma_unresolved
     from steptune.comm.simreport import simulate_table
 
     _check_gpus(args.gpus)
     consts = _consts(args.results)
+    raw = json.loads(Path(args.results).read_text())  # read again: why gamma was not fitted
+    raw = raw if isinstance(raw, dict) and "hbm_contention" in (raw.get("fit") or {}) else None
     base = CommConstants()
     print(f"calibrated from {consts.calibrated_from}")
     for k in ("copy_out_bytes_per_s", "chunk_cat_elems_per_s", "pack_elems_per_s", "cast_elems_per_s",
@@ -81,7 +83,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         if k in consts.fitted:
             print(f"  {k:24s} {getattr(base, k):.4g} (cited) -> {getattr(consts, k):.4g} (measured)")
         else:
-            why = ": the file's value is inside its noise floor" if k == "hbm_contention" else ""
+            why = ""
+            if k == "hbm_contention":
+                why = f": {gamma_unresolved(raw.get('interference'))}" if raw else ": the file's fit has none"
             print(f"  {k:24s} {getattr(base, k):.4g} (cited; not fitted{why})")
     simulate_table(args.model, args.cluster, args.gpus, consts).print()
     print(f"use it: steptune comm simulate --calibration {args.results} ...")

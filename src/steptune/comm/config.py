@@ -39,9 +39,11 @@ class TideConfig:
             raise ValueError(f"ag_algorithm must be one of {AG_ALGORITHMS}, got {self.ag_algorithm!r}")
         if self.rs_chunk_numel < 1 or self.rs_num_slots < 1:
             raise ValueError("rs_chunk_numel and rs_num_slots must be >= 1")
-        if self.align_bytes < 1 or self.align_bytes & (self.align_bytes - 1):
+        if self.align_bytes < 4 or self.align_bytes & (self.align_bytes - 1):
+            # a slot offset must be a whole number of elements, and TIDE gathers fp32 (4 bytes) and bf16
             raise ValueError(
-                f"align_bytes must be a power of two >= 1 (16: 16-byte aligned), got {self.align_bytes}"
+                f"align_bytes must be a power of two >= 4, a multiple of fp32's 4 bytes (16: 16-byte "
+                f"aligned), got {self.align_bytes}"
             )
         if self.max_inflight_bytes is not None and self.max_inflight_bytes < 1:
             raise ValueError(

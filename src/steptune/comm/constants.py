@@ -161,12 +161,22 @@ def gamma_resolved(interference: Any) -> bool:
     """Whether a comm.py interference section resolves gamma: the GEMM's slowdown beside the copy is over
     twice what the same baseline measured twice differs by. Files from before that baseline existed
     (no ``alone_again_s``) do not resolve it."""
+    return gamma_unresolved(interference) is None
+
+
+def gamma_unresolved(interference: Any) -> str | None:
+    """Why an interference section does not resolve gamma (None when it does)."""
     if not isinstance(interference, dict):
-        return False
+        return "the file has no interference section"
     try:
         base = float(interference["gemm"]["alone_s"])
         slow = float(interference["with_ce_copy_s"]) / base - 1
-        floor = abs(float(interference["alone_again_s"]) / base - 1)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return False
-    return slow > 2 * floor
+        return "its interference section lacks the GEMM's times"
+    try:
+        floor = abs(float(interference["alone_again_s"]) / base - 1)
+    except (KeyError, TypeError, ValueError):
+        return "the file has no repeated baseline (alone_again_s) to tell the slowdown from noise"
+    if slow <= 2 * floor:
+        return f"the slowdown ({slow:+.1%}) is inside twice the baseline's own spread ({floor:.1%})"
+    return None

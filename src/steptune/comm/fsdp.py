@@ -238,6 +238,9 @@ class TideHandle:
                     "FSDPModule))"
                 )
         for st in self._states:
+            if (pending := _pending_grad(st.fsdp_params)) is not None:
+                raise ValueError(f"group {st.fqn}: {pending}; call disable() {_AFTER_SYNC}")
+        for st in self._states:
             st.detach()
         self._states = []
         if self._installed:
@@ -312,6 +315,26 @@ def _ineligible(g: Any) -> str | None:
         return problem
     if any(fp.sharded_state != _sharded() for fp in g.fsdp_params):
         raise ValueError(f"group {g._module_fqn}: call enable_tide between steps, with parameters sharded")
+    if (pending := _pending_grad(g.fsdp_params)) is not None:
+        raise ValueError(f"group {g._module_fqn or '<root>'}: {pending}; call enable_tide {_AFTER_SYNC}")
+    return None
+
+
+_AFTER_SYNC = (
+    "after the accumulation window's synced backward (set_requires_gradient_sync(True)), or the gradients "
+    "accumulated so far would be lost"
+)
+
+
+def _pending_grad(fsdp_params: list[Any]) -> str | None:
+    """A parameter whose unsharded gradient waits for a later synced backward (microbatches run with
+    ``set_requires_gradient_sync(False)``): switching collectives replaces the unsharded parameter that holds
+    it (FSDP2 keeps a mixed-precision run's in ``unsharded_accumulated_grad``, which survives)."""
+    for fp in fsdp_params:
+        unsharded = fp.__dict__.get("_unsharded_param")
+        if unsharded is not None and unsharded.grad is not None:
+            name = fp._param_fqn or fp._module_info.param_name
+            return f"{name} holds a gradient accumulated without reduce-scatter (no-sync microbatches)"
     return None
 
 
@@ -354,7 +377,7 @@ def enable_tide(module: nn.Module, config: TideConfig | None = None) -> TideHand
             "TIDE is already enabled on this module: call handle.disable() before enabling it again"
         )
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
-    fqns = {id(g): ",".join(names.get(id(m), "?") for m in g.modules) for g in groups}
+    fqns = _group_names(groups, names, {id(p): n for n, p in module.named_parameters(remove_duplicate=False)})
     reasons = {fqns[id(g)]: _ineligible(g) for g in groups}
     if (broken := _check_signatures()) is not None:
         reasons = dict.fromkeys(reasons, f"unsupported FSDP2 internals ({broken})")
@@ -372,6 +395,19 @@ def enable_tide(module: nn.Module, config: TideConfig | None = None) -> TideHand
                 f"TIDE: group {fqn} stays on stock FSDP2: {reasons[fqn]}", TideFallbackWarning, stacklevel=2
             )
     return TideHandle({k: v or "tide" for k, v in reasons.items()}, states)
+
+
+def _group_names(groups: list[Any], names: dict[int, str], params: dict[int, str]) -> dict[int, str]:
+    """Each group's name: its modules' FQNs, with its parameters' names where several groups share modules
+    (torch 2.13's per-parameter meshes: an expert weight on its own mesh beside a dense one), so that every
+    group has its own verdict."""
+    base = {id(g): ",".join(names.get(id(m), "?") for m in g.modules) for g in groups}
+    shared = {n for n in base.values() if list(base.values()).count(n) > 1}
+    out = {}
+    for g in groups:
+        held = ", ".join(params.get(id(fp.sharded_param), fp._module_info.param_name) for fp in g.fsdp_params)
+        out[id(g)] = base[id(g)] if base[id(g)] not in shared else f"{base[id(g)]} [{held}]"
+    return out
 
 
 def _self_tests(groups: list[Any], config: TideConfig, fqns: dict[int, str]) -> dict[str, str]:

@@ -47,6 +47,7 @@ class GroupState:
         self.layout: GroupLayout | None = None
         self.slot: Slot | None = None
         self.transport: ProcessGroupP2P | None = None
+        self._rs_transport: ProcessGroupP2P | None = None
         self._rs_layouts: dict[tuple[int, ...], GroupLayout] = {}
         for fp in self.fsdp_params:
             fp._tide_state = self
@@ -156,6 +157,12 @@ class GroupState:
     ) -> tuple[Any, ...]:
         _, _, device_handle_of = _fsdp_internals()
         _, slot, transport = self._ensure(group, device)
+        if (
+            group is not transport.group
+        ):  # FSDP2's own reduce-scatter group (set_separate_reduce_scatter_group)
+            if self._rs_transport is None or self._rs_transport.group is not group:
+                self._rs_transport = select_transport(group, device)
+            transport = self._rs_transport
         w = group.size()
         layout = self._rs_layout(fsdp_params, w)
         dtypes = {g.dtype for g in unsharded_grads}

@@ -34,6 +34,10 @@ CASES = {
         "mixed_dtypes",
         "disable_unsharded",
         "padding_mismatch",
+        "mid_accumulation",
+        "per_param_mesh",
+        "per_param_mesh_experts_first",
+        "separate_rs_group",
     ),
     4: ("hsdp", "reshard_int", "tensor_parallel"),
 }
@@ -48,9 +52,28 @@ def _custom_rs() -> Any:
     return CustomReduceScatter()
 
 
-def _model() -> nn.Sequential:
+def _model(case: str = "") -> nn.Sequential:
     torch.manual_seed(0)
+    if case.startswith("per_param_mesh"):
+        return nn.Sequential(_Experts(experts_first=case.endswith("experts_first")), nn.Linear(16, 4))
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+class _Experts(nn.Module):
+    """A dense layer beside expert weights that FSDP2 shards on a mesh of their own (two groups on one
+    module)."""
+
+    def __init__(self, experts_first: bool) -> None:
+        super().__init__()
+        if experts_first:  # the parameter order decides which group FSDP2 lists first
+            self.experts = nn.Parameter(torch.randn(3, 16, 16) * 0.1)
+            self.dense = nn.Linear(16, 16)
+        else:
+            self.dense = nn.Linear(16, 16)
+            self.experts = nn.Parameter(torch.randn(3, 16, 16) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(x) + torch.einsum("bi,eij->bj", x, self.experts.to(x.dtype))
 
 
 def _shard(model: nn.Sequential, case: str, mesh: Any, group: Any) -> None:
@@ -71,6 +94,19 @@ def _shard(model: nn.Sequential, case: str, mesh: Any, group: Any) -> None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     elif case == "disable_unsharded":
         kwargs["reshard_after_forward"] = False
+    elif case == "mid_accumulation":  # fp32: the no-sync gradient stays on the unsharded parameter
+        kwargs["mp_policy"] = MixedPrecisionPolicy()
+    elif case.startswith("per_param_mesh"):  # torch 2.13: expert weights on a 1-rank mesh of their own
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+        sub, _ = dist.new_subgroups(group_size=1)
+        info = FSDPMeshInfo(mesh=DeviceMesh.from_group(sub, "cpu"), shard_mesh_dim=0)
+        place = lambda p: ShardPlacementResult(Shard(0), info) if p.ndim == 3 else None  # noqa: E731
+        fully_shard(model[0], shard_placement_fn=place, **kwargs)
+        fully_shard(model, **kwargs)
+        return
     layers = [m for m in model if isinstance(m, nn.Linear)]
     if case == "mixed_dtypes":  # a frozen fp32 scale beside bf16 weights (values bf16 cannot hold)
         for layer in layers:
@@ -79,6 +115,8 @@ def _shard(model: nn.Sequential, case: str, mesh: Any, group: Any) -> None:
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if case == "separate_rs_group":  # torch 2.13: reduce-scatter on a process group of its own
+        model.set_separate_reduce_scatter_group(True)  # type: ignore[operator]
     for layer in layers:
         if case == "divide_factor":
             layer.set_gradient_divide_factor(float(group.size()))  # type: ignore[operator]
@@ -86,6 +124,34 @@ def _shard(model: nn.Sequential, case: str, mesh: Any, group: Any) -> None:
             layer.set_custom_reduce_scatter(_custom_rs())  # type: ignore[operator]
         elif case == "all_reduce_hook":
             layer.set_all_reduce_hook(lambda t: t.mul_(0.5))  # type: ignore[operator]
+
+
+def _switch_mid_accumulation(
+    stock: nn.Module, tide: nn.Module, opts: list[Any], handle: Any, rank: int
+) -> list[str]:
+    """Two accumulation windows of two microbatches; TIDE is disabled inside the first and enabled inside the
+    second, which must be refused (the switch dropped the first microbatch's gradient before). Returns the
+    refusals' messages."""
+    from steptune.comm.fsdp import enable_tide
+
+    refused = []
+    for window in range(2):
+        for micro in range(2):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1000 + 10 * window + micro + rank))
+            for m in (stock, tide):
+                m.set_requires_gradient_sync(micro == 1)  # type: ignore[operator]
+                m(x).float().pow(2).mean().backward()
+            if micro == 0:
+                try:
+                    handle.disable() if window == 0 else enable_tide(tide)
+                except ValueError as err:
+                    refused.append(str(err))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        if window == 0:
+            handle.disable()  # between windows: allowed
+    return refused
 
 
 def _mesh(case: str, group: Any) -> tuple[Any, Callable[[nn.Sequential], None]]:
@@ -114,7 +180,7 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
     from steptune.comm.fsdp import enable_tide
 
     mesh, prepare = _mesh(case, group)
-    stock = _model()
+    stock = _model(case)
     tide = copy.deepcopy(stock)
     for m in (stock, tide):
         prepare(m)
@@ -157,7 +223,11 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
             # Stands in for compiled autograd tracing the backward: the flag its region sets is what TIDE
             # checks at every call (real compiled autograd needs torch.compile, too slow for this box).
             compiled_autograd.in_compiled_autograd_region = True  # type: ignore[attr-defined]
+        refused: list[str] = []
         try:
+            if case == "mid_accumulation":
+                refused = _switch_mid_accumulation(stock, tide, opts, handle, rank)
+                handle = enable_tide(tide)
             for step in range(2):
                 x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
                 x = x.to(torch.bfloat16) if case == "mixed_dtypes" else x
@@ -198,6 +268,11 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
     )
     if case == "disable_unsharded":
         return {"groups": handle.groups, "refused": refused, "bitwise_equal": equal}
+    if case in ("mid_accumulation", "separate_rs_group"):
+        own = [st._rs_transport is not None and st._rs_transport.group is not st.transport.group
+               for st in handle._states]  # fmt: skip
+        handle.disable()
+        return {"groups": handle.groups, "refused": refused, "bitwise_equal": equal, "own_rs_group": own}
     handle.disable()
     return {
         "groups": handle.groups,

@@ -74,6 +74,22 @@ def test_every_fallback_warns_and_matches_stock(w):
                 if case == "disable_unsharded":  # not a fallback: TIDE ran, and disable() was refused
                     assert set(r["groups"].values()) == {"tide"} and r["refused"], r
                     continue
+                if case == "mid_accumulation":  # TIDE ran; switching inside a window was refused both ways
+                    assert set(r["groups"].values()) == {"tide"}, r
+                    assert len(r["refused"]) == 2, r["refused"]
+                    assert all("accumulated without reduce-scatter" in m for m in r["refused"])
+                    assert "call disable()" in r["refused"][0] and "call enable_tide" in r["refused"][1]
+                    continue
+                if case == "separate_rs_group":  # TIDE's reduce-scatter ran on FSDP2's separate group
+                    assert set(r["groups"].values()) == {"tide"} and all(r["own_rs_group"]), r
+                    assert len(r["own_rs_group"]) == len(r["groups"])
+                    continue
+                if case.startswith("per_param_mesh"):  # two groups on module "0": each its own verdict
+                    dense, experts = "0 [0.dense.weight, 0.dense.bias]", "0 [0.experts]"
+                    assert r["groups"] == {"<root>": "tide", dense: "tide", experts: "world size 1: nothing "
+                                           "to communicate"}, r["groups"]  # fmt: skip
+                    assert len(r["warnings"]) == 1 and "group 0 [0.experts] stays" in r["warnings"][0]
+                    continue
                 if case == "compiled_autograd":  # decided per call, not at enable time
                     assert set(r["groups"].values()) == {"tide"}
                     assert len(r["warnings"]) == 1 and "compiled autograd" in r["warnings"][0]

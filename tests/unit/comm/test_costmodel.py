@@ -101,6 +101,8 @@ def test_tide_config_and_a_one_gpu_simulation_are_refused_with_what_to_change(ca
     for kw, says in (
         ({"align_bytes": 0}, "align_bytes must be a power of two"),  # a failed self-test before
         ({"align_bytes": 3}, "align_bytes must be a power of two"),
+        ({"align_bytes": 2}, "a multiple of fp32.s 4 bytes"),  # a crash in the first forward of fp32 before
+        ({"align_bytes": 1}, "align_bytes must be a power of two >= 4"),  # a misleading self-test failure
         ({"max_inflight_bytes": 0}, "max_inflight_bytes must be >= 1"),
         ({"max_inflight_bytes": -1}, "max_inflight_bytes must be >= 1"),
     ):

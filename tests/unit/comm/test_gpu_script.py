@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from steptune.cli import main as cli_main
-from steptune.comm.constants import CommConstants, calibrated
+from steptune.comm.constants import CommConstants, calibrated, gamma_unresolved
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu" / "comm.py"
 
@@ -126,3 +126,6 @@ def test_an_unresolved_gamma_in_a_results_file_is_not_applied() -> None:
         consts = calibrated(results / f"comm_gpu_h200_{run}.json")
         assert consts.hbm_contention == 0.0 and "hbm_contention" not in consts.fitted
         assert "copy_out_bytes_per_s" in consts.fitted
+        # and `comm calibrate` says which: run3 has no repeated baseline (it said "inside its noise floor")
+        says = "no repeated baseline" if run == "run3" else "inside twice the baseline's own spread"
+        assert says in (gamma_unresolved(data["interference"]) or "")
