@@ -64,6 +64,10 @@ def force_save_reason(
     namespace = getattr(func, "namespace", "")
     if namespace in _COLLECTIVE_NAMESPACES:
         return "collective"
+    if namespace not in _TORCH_NAMESPACES and any(
+        isinstance(o, (int, float, bool, torch.SymInt, torch.SymFloat)) for o in tree_flatten(out)[0]
+    ):  # read from tensor data, perhaps (an amax scale): a reused tape would hold it constant
+        return "host sync or data-dependent shape (a custom op returned a number)"
     if namespace not in _TORCH_NAMESPACES and not _declared_pure(func, pure) and not _inert(func, out):
         # A torch.library op's kernel runs below the recorder and carries none of aten's tags: it may draw
         # random numbers (a fused dropout mask gave wrong gradients when replayed) or have side effects.
@@ -89,12 +93,14 @@ def _declared_pure(func: Any, pure: PureOps) -> bool:
 
 
 def _inert(func: Any, out: Any) -> bool:
-    """A custom op that returns no tensor and whose schema writes none (``record_function``'s profiler
-    ops return a handle): backward can never need it, so it neither is replayed nor stops tape reuse."""
+    """A custom op that returns only None or opaque objects and whose schema writes nothing
+    (``record_function``'s profiler ops return a handle): backward can never need it, so it neither is
+    replayed nor stops tape reuse. A returned number may come from tensor data (a host sync: an amax
+    scale), which a reused tape would hold constant, so it is not inert."""
     schema = getattr(func, "_schema", None)
     if schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return False
-    return not any(isinstance(o, torch.Tensor) for o in tree_flatten(out)[0])
+    return all(o is None or isinstance(o, torch.ScriptObject) for o in tree_flatten(out)[0])
 
 
 def _integer_indexing(func: Any, args: tuple[Any, ...]) -> bool:
@@ -179,6 +185,9 @@ class Recorder(TorchDispatchMode):
         self._keys: dict[tuple[Any, ...], int] = {}
         self._external_groups: set[int] = set()
         self._opaque_depth = 0
+        self._trust_next = False
+        self._trusted: set[int] = set()
+        """Nodes of torch.library ops run by their generated autograd Function (judged as the op itself)."""
         self.c10d_ops = 0
         """Eager c10d ops seen at the dispatcher (a ``torch.distributed`` call on a bare backend is not)."""
         self.seconds = 0.0
@@ -248,6 +257,7 @@ class Recorder(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         start = time.perf_counter()
+        trusted, self._trust_next = self._trust_next, False  # a torch.library op redispatched by its Function
         if self._unchecked:
             self._check_stale()
         if self.pack_fn is not None and self.inner_checkpoint is None and self.inner_hooks is None:
@@ -287,7 +297,7 @@ class Recorder(TorchDispatchMode):
         start = time.perf_counter()
         index = len(self.nodes)
         reason = force_save_reason(func, args, kwargs, out, self._pure_ops)
-        if self._opaque_depth:
+        if self._opaque_depth and not trusted:
             reason = "kernel outside the dispatcher (inside a custom autograd.Function)"
         if any(self.slots[sid].producer == -2 for sid, _ in reads):
             reason = "reads a view made outside the dispatcher"
@@ -297,6 +307,8 @@ class Recorder(TorchDispatchMode):
                 a if isinstance(a, (_Ref, *_LEAF_TYPES)) else f"<{type(a).__qualname__}>" for a in template
             ]
         node = OpNode(index, func, template, spec, reads, [], [], random=random, rng_state=rng_state)
+        if trusted:
+            self._trusted.add(index)
         for t in written:
             key = self.lookup(t)
             group = self.slots[key[0]].group
@@ -437,7 +449,7 @@ class Recorder(TorchDispatchMode):
         if group is None:
             return
         sid = self._keys.get(_view_key(t, group))
-        if sid is None or self.slots[sid].producer < 0:
+        if sid is None or self.slots[sid].producer < 0 or self.slots[sid].producer in self._trusted:
             return
         node = self.nodes[self.slots[sid].producer]
         node.force_save = (
@@ -476,20 +488,21 @@ def _patched_apply(fn_cls: Any, *args: Any, **kwargs: Any) -> Any:
         # nothing runs outside the dispatcher, so nothing needs saving (it force-saved every value it
         # touched: 6.55 -> 8.42 MiB of peak with hooks on each Linear; a 2026-12-05 sweep)
         return _original_apply(fn_cls, *args, **kwargs)
-    if fn_cls.__module__ == "torch._library.autograd" and not recorder._opaque_depth:
-        # a torch.library op's autograd (register_autograd): its forward redispatches the op, which the
-        # recorder sees and judges as any custom op (force-saved unless TapeSACConfig.pure_ops names it)
-        return _original_apply(fn_cls, *args, **kwargs)
     if fn_cls is CheckpointFunction and not recorder._opaque_depth:
         # torch's reentrant checkpoint runs its function under no_grad through the dispatcher: the
         # ops inside are recorded like any others (a custom Function nested in it stays opaque).
         recorder.inner_checkpoint = "reentrant"
         return _original_apply(fn_cls, *args, **kwargs)
+    # A torch.library op's Function (every custom_op's, register_autograd or not) first redispatches the op,
+    # which the recorder then judges as any custom op (force-saved unless TapeSACConfig.pure_ops names it);
+    # what runs after it (the user's setup_context) stays opaque, as in any custom Function.
+    recorder._trust_next = fn_cls.__module__ == "torch._library.autograd" and not recorder._opaque_depth
     recorder._opaque_depth += 1
     try:
         out = _original_apply(fn_cls, *args, **kwargs)
     finally:
         recorder._opaque_depth -= 1
+        recorder._trust_next = False
     for o in tree_flatten(out)[0]:
         if isinstance(o, torch.Tensor):
             recorder._mark_opaque_output(o)

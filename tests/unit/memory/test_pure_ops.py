@@ -42,6 +42,53 @@ def _bump_(x: torch.Tensor) -> None:
     x.add_(1.0)
 
 
+@torch.library.custom_op("steptune_test::inv_amax", mutates_args=())
+def _inv_amax(x: torch.Tensor) -> float:
+    return float(1.0 / x.abs().max())
+
+
+@torch.library.custom_op("steptune_test::numpy_tanh", mutates_args=())
+def _numpy_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x)
+
+
+@_numpy_tanh.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _numpy_setup(ctx, inputs, output):
+    slope = torch.empty_like(output)  # filled outside the dispatcher: replaying it gives garbage
+    slope.numpy()[:] = 1 - output.detach().numpy() ** 2
+    ctx.save_for_backward(slope)
+
+
+_numpy_tanh.register_autograd(lambda ctx, g: g * ctx.saved_tensors[0], setup_context=_numpy_setup)
+
+
+class _ScaledBlock(torch.nn.Module):
+    """An fp8-style scale: a custom op returns a number read from the activation's data."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.a(x)
+        return torch.add(h, h, alpha=_inv_amax(h)).tanh()
+
+
+class _NumpySetupBlock(torch.nn.Module):
+    """A custom op whose registered autograd saves a tensor it fills with numpy."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + _numpy_tanh(self.a(x))
+
+
 class _FusedBlock(torch.nn.Module):
     """A block whose activation is a fused custom op with its own autograd (torch.library)."""
 
@@ -66,14 +113,14 @@ class _RangedBlock(torch.nn.Module):
 
 
 def _train(block_cls, config=None, steps=3):
-    """Each step's gradients, the kernel calls made by backward, and the handle."""
+    """Each step's gradients (a new batch each step), the kernel calls made by backward, and the handle."""
     torch.manual_seed(0)
-    model, x = Chain(block_cls), torch.randn(8, 32)
+    model = Chain(block_cls)
     handle = apply_tapesac_(model, config) if config is not None else None
     grads, backward_calls = [], 0
-    for _ in range(steps):
+    for step in range(steps):
         model.zero_grad(set_to_none=True)
-        loss = model(x)
+        loss = model(torch.randn(8, 32, generator=torch.Generator().manual_seed(step)))
         before = _calls[0]
         loss.backward()
         backward_calls += _calls[0] - before
@@ -111,6 +158,27 @@ def test_a_profiler_range_neither_holds_values_nor_stops_reuse():
             model(x).sum().backward()
     ranges = [e for e in prof.function_events if e.name == "steptune_test_range"]
     assert len(ranges) == handle.stats.forwards and handle.stats.replays > 0
+
+
+@pytest.mark.parametrize("pure", [frozenset(), frozenset({"steptune_test.inv_amax"})])
+def test_a_custom_op_that_returns_a_number_is_a_host_sync_even_when_declared_pure(pure):
+    # Found in review: a number-returning op was taken for inert and the tape reused with the first
+    # batch's scale (gradients 1.1 and 3.2 off at steps 2 and 3)
+    reference, _, _ = _train(_ScaledBlock)
+    got, _, handle = _train(_ScaledBlock, TapeSACConfig(blocks=(_ScaledBlock,), pure_ops=pure))
+    assert all(max_abs_diff(r, g) == 0.0 for r, g in zip(reference, got, strict=True))
+    assert handle.stats.recorded == handle.stats.forwards
+    assert any("returned a number" in k for k in handle.stats.force_saved)
+
+
+@pytest.mark.parametrize("pure", [frozenset(), frozenset({"steptune_test.numpy_tanh"})])
+def test_what_a_registered_autograds_setup_context_computes_stays_opaque(pure):
+    # Found in review: the generated Function was trusted whole, so the numpy-filled slope was replayed as
+    # an empty_like (gradients 1.8e26, then NaN)
+    reference, _, _ = _train(_NumpySetupBlock)
+    got, _, handle = _train(_NumpySetupBlock, TapeSACConfig(blocks=(_NumpySetupBlock,), pure_ops=pure))
+    assert all(max_abs_diff(r, g) == 0.0 for r, g in zip(reference, got, strict=True))
+    assert handle.stats.force_saved["kernel outside the dispatcher (inside a custom autograd.Function)"] > 0
 
 
 def test_a_custom_op_that_writes_is_not_taken_for_inert():
