@@ -66,6 +66,7 @@ class GroupState:
                 fp.all_gather_outputs = []
                 fp.__dict__.pop("_unsharded_param", None)
         self.slot = None
+        self._rs_transport = None
 
     # -- lazy set-up (first all-gather: FSDP2's lazy init has set dtypes and devices by then) ------------
     def _ensure(self, group: Any, device: torch.device) -> tuple[GroupLayout, Slot, ProcessGroupP2P]:
