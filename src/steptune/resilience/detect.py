@@ -203,11 +203,16 @@ class ChangePointDetector:
         prior_mean = self._base
         means = np.where(self._counts > 0, (self._sums + prior_mean) / (self._counts + 1), prior_mean)
         var = self._sigma**2 * (1 + 1 / (self._counts + 1))
-        like = np.exp(-0.5 * (x - means) ** 2 / var) / np.sqrt(2 * math.pi * var)
-        growth = self._probs * like * (1 - self.hazard)
-        change = float((self._probs * like * self.hazard).sum())
-        probs = np.concatenate([[change], growth])
-        probs /= probs.sum() or 1.0
+        # in log space: a step many sigmas away (a 1.5x slowdown at 1% noise) underflowed every likelihood
+        # to 0, and the all-zero posterior then never alarmed again (a 2026-12-05 sweep)
+        log_like = -0.5 * (x - means) ** 2 / var - 0.5 * np.log(2 * math.pi * var)
+        with np.errstate(divide="ignore"):
+            joint = np.log(self._probs) + log_like
+        top = float(joint.max())
+        change = top + math.log(float(np.exp(joint - top).sum())) + math.log(self.hazard)
+        logs = np.concatenate([[change], joint + math.log(1 - self.hazard)])
+        probs = np.exp(logs - logs.max())
+        probs /= probs.sum()
         self._probs = probs[: self.max_run]
         self._sums = np.concatenate([[0.0], self._sums + x])[: self.max_run]
         self._counts = np.concatenate([[0.0], self._counts + 1])[: self.max_run]

@@ -79,6 +79,20 @@ def test_change_point_sees_a_global_slowdown_but_not_healthy_noise():
     assert len(alarms) == 1 and 50 <= alarms[0].step <= 55
 
 
+@pytest.mark.parametrize("jump", [1.2, 1.5, 3.0, 100.0])
+def test_change_point_sees_a_slowdown_of_any_size(jump):
+    # Found in a sweep (2026-12-05): from 1.5x at 1% noise every likelihood underflowed to 0 and the
+    # detector never alarmed again (detection 0 at --factor 100, 1 at --factor 3)
+    cp = ChangePointDetector()
+    rng = np.random.default_rng(1)
+    alarms = []
+    for step in range(45):
+        level = 1.0 if step < 30 else jump
+        alarms += cp.observe(step, {0: level * (1 + 0.01 * rng.standard_normal())})
+    assert len(alarms) == 1 and 30 <= alarms[0].step <= 33, alarms
+    assert np.isfinite(cp._probs).all() and cp._probs.sum() == pytest.approx(1.0)
+
+
 def test_fixed_threshold_and_heartbeat_units():
     det = FixedThresholdDetector(0.10)
     assert [a.unit for a in det.observe(0, {0: 1.0, 1: 1.0, 2: 1.2})] == [2]
