@@ -49,3 +49,42 @@ def test_simulate_one_policy_and_bad_input(tmp_path, capsys):
     assert "a 1.6x slowdown is factor 0.625" in capsys.readouterr().err
     assert main(["resilience", "simulate", "--scenario", str(tmp_path / "missing.csv")]) == 2
     assert "missing.csv': no such file" in capsys.readouterr().err
+
+
+def test_an_interrupted_bench_stops_its_workers_at_once():
+    # Found in a sweep (2026-12-05): with --workers 2 the pool's exit ran every queued row first (still
+    # running 158 s after SIGTERM). Four oracle rows take ~10 s each here; Ctrl-C comes after 1 s.
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    from steptune.resilience import bench
+
+    _, det = bench.measure_detectors(2)
+    tasks = [
+        bench.RowTask(model="llama2-7b", kind="fail-stop", seed=s, duration_s=7200.0, det=det,
+                      policies=("oracle",))
+        for s in range(4)
+    ]  # fmt: skip
+
+    def interrupted(signum, frame):  # SIGUSR1 as Ctrl-C, leaving SIGINT alone
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupted)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1))
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bench.run_rows(tasks, workers=2)
+        elapsed = time.perf_counter() - t0
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    assert elapsed < 5.0, f"the interrupt took {elapsed:.1f} s to land"
+    deadline = time.monotonic() + 5
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not multiprocessing.active_children()

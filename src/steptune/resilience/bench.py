@@ -233,9 +233,18 @@ def run_rows(
             progress(f"{len(rows)}/{len(tasks)} {row['model']} {row['scenario']} ({row['wall_s']:.1f} s)")
 
     if workers > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        pool = ProcessPoolExecutor(max_workers=workers)
+        try:
             for row in pool.map(run_row, tasks):
                 done(row)
+        except BaseException:
+            # Ctrl-C or SIGTERM (SystemExit): the pool's own exit waits for every queued row (a sweep: still
+            # running 158 s after SIGTERM); stop its workers and drop the queue instead
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     else:
         for task in tasks:
             done(run_row(task))
