@@ -13,6 +13,7 @@ from pathlib import Path
 
 __all__ = [
     "byte_size",
+    "distinct_paths",
     "non_negative_float",
     "non_negative_int",
     "output_dir",
@@ -142,3 +143,18 @@ def warn_ignored(args: argparse.Namespace, dests: Iterable[str], why: str) -> li
             flags.append("--" + dest.replace("_", "-"))
             print(f"{parser.prog}: warning: {flags[-1]} has no effect {why}", file=sys.stderr)
     return flags
+
+
+def distinct_paths(**paths: Path | str | None) -> None:
+    """Refuse two flags that name the same file (``--json x.csv`` over the ``--scenario x.csv`` it reads, or
+    ``--json`` and ``--plot`` on one path): the later write would replace the earlier, silently. Keyword
+    names are the flags without dashes (``plot=args.plot``); None is skipped."""
+    seen: dict[Path, str] = {}
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        key = Path(path).expanduser().resolve()
+        name = "--" + flag.replace("_", "-")
+        if key in seen:
+            raise ValueError(f"{seen[key]} and {name} name the same file ({path}): give each its own path")
+        seen[key] = name

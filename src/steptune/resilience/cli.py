@@ -12,7 +12,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import output_file, plot_file, positive_float, positive_int, warn_ignored
+from steptune.core.argtypes import (
+    distinct_paths,
+    output_file,
+    plot_file,
+    positive_float,
+    positive_int,
+    warn_ignored,
+)
 from steptune.core.report import plural
 
 __all__ = ["register"]
@@ -72,6 +79,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from steptune.resilience.scenarios import KINDS, generate, read_csv
     from steptune.resilience.sim import run
 
+    distinct_paths(scenario=args.scenario if Path(args.scenario).is_file() else None, json=args.json)
     job = job_for(args.model)
     if args.free_comm:
         job = replace(job, comm=False)
@@ -191,6 +199,7 @@ def _bench(args: argparse.Namespace) -> int:
     from steptune.resilience.bench import BenchConfig, quick_config, run_bench
     from steptune.resilience.report import plot_bench, print_bench
 
+    distinct_paths(json=args.json, plot=args.plot)
     if args.quick:
         warn_ignored(args, ["seeds"], "with --quick (one seed per scenario)")
     cfg = (
@@ -353,6 +362,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if (args.json or args.plot) and not args.compare:
         raise ValueError("--json and --plot write the --compare results: add --compare")
+    distinct_paths(json=args.json, plot=args.plot)
     if args.layout is None:
         args.layout = f"dp={args.ranks}"
     dp, pp, tp = parse_layout(args.layout)

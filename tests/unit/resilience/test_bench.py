@@ -63,3 +63,18 @@ def test_bench_cli_quick(tmp_path, monkeypatch, capsys) -> None:
     printed = capsys.readouterr().out
     assert "SIMULATED" in printed and "steptune below a baseline in" in printed
     assert json.loads(out.read_text())["steptune_ratios"]["resihp"]["rows"] == 1
+
+
+def test_outputs_that_name_an_input_or_each_other_are_refused(tmp_path, capsys) -> None:
+    # Found in a sweep (2026-12-05): --json over the --scenario CSV replaced the trace; --json and --plot
+    # on one path wrote the PNG over the JSON; both printed "wrote:"
+    trace = tmp_path / "victim.csv"
+    trace.write_text("kind,device,start_s,duration_s,factor\nfail-stop,3,100,inf,0\n")
+    before = trace.read_text()
+    argv = ["resilience", "simulate", "--scenario", str(trace), "--policy", "resihp", "--json", str(trace)]
+    assert main(argv) == 2
+    assert "--scenario and --json name the same file" in capsys.readouterr().err
+    assert trace.read_text() == before
+    same = tmp_path / "same.png"
+    assert main(["resilience", "bench", "--quick", "--json", str(same), "--plot", str(same)]) == 2
+    assert "--json and --plot name the same file" in capsys.readouterr().err and not same.exists()
