@@ -508,7 +508,18 @@ def run(
         raise ValueError(f"failure device ids must be < {n} (tp*pp*dp devices of the job)")
     if not job.comm and any(f.target == "link" for f in failures):
         raise ValueError("link fail-slows need a communication model: SimJob(comm=True)")
+    gpus = cluster_preset(job.cluster).num_gpus
+    if n > gpus:  # a sweep (2026-12-05): 256 devices "ran" on a 64-GPU preset
+        raise ValueError(
+            f"SimJob(tp={job.tp}, pp={job.pp}, dp={job.dp}) needs {n} devices and cluster {job.cluster!r} has "
+            f"{gpus}: lower tp, pp or dp, or pick a larger cluster"
+        )
     fwd, bwd, nbytes, heads = _layer_times(job)
+    if heads % job.tp:
+        raise ValueError(
+            f"SimJob(tp={job.tp}): {job.model} has {heads} attention heads, which tp must divide (the "
+            "planners split heads evenly): pick a tp that divides them"
+        )
     memory = (
         job.memory_bytes if job.memory_bytes is not None else cluster_preset(job.cluster).device.memory_bytes
     )

@@ -187,3 +187,11 @@ def test_the_healthy_step_returns_after_a_transient_fail_slow(policy: str) -> No
     if policy == "resihp":
         assert len({v for _, _, v in res.timeline}) >= 3
     assert res.timeline[-1][1] == pytest.approx(healthy, rel=1e-9)
+
+
+def test_a_layout_the_cluster_or_the_heads_cannot_hold_is_refused():
+    # Found in a sweep (2026-12-05): 256 devices simulated on a 64-GPU preset, and tp=3 with 40 heads
+    with pytest.raises(ValueError, match="needs 256 devices and cluster 'dgx-h100' has 64"):
+        run(SimJob(tp=4, pp=16, dp=4, cluster="dgx-h100"), NoOp(), [], 600.0)
+    with pytest.raises(ValueError, match="40 attention heads, which tp must divide"):
+        run(SimJob(model="llama2-13b", tp=3, pp=4, dp=4), NoOp(), [], 600.0)
