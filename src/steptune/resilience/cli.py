@@ -129,7 +129,7 @@ def _simulate(args: argparse.Namespace) -> int:
     table = Table(
         title=f"{args.model} TP{job.tp} PP{job.pp} DP{job.dp} ({job.num_devices} GPUs), "
         f"{args.scenario}: {plural(len(failures), 'failure')} in {args.duration:.0f} s",
-        columns=["policy", "tokens/s", "stall s", "lost s", "halted s", "plans"],
+        columns=["policy", "tokens/s", "stall s", "lost s", "halted s", "cut s", "plans"],
     )
     results = {}
     workload = workload_for(job, _lengths(args.lengths), seed=args.seed)
@@ -140,12 +140,17 @@ def _simulate(args: argparse.Namespace) -> int:
             "stall_s": r.stall_s,
             "lost_s": r.lost_s,
             "halted_s": r.halted_s,
+            "cut_s": r.cut_s,
             "log": list(r.log),
         }
-        table.add(name, r.tokens_per_s, r.stall_s, r.lost_s, r.halted_s, len(r.log))
+        table.add(name, r.tokens_per_s, r.stall_s, r.lost_s, r.halted_s, r.cut_s, len(r.log))
         if args.verbose:
             for line in r.log:
                 print(f"  {name}: {line}")
+    table.notes.append(
+        "cut s: the last step, cut off by the end of the run (a step is priced at the speeds when it starts, "
+        "so a device slowed mid-step shows from the next one)"
+    )
     table.notes.append(
         "SIMULATED (docs/resilience.md lists the assumptions); "
         + (

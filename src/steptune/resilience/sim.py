@@ -229,6 +229,9 @@ class SimResult:
     timeline: tuple[tuple[float, float, int], ...] = field(repr=False)
     """(start time, step time, plan version) per completed step."""
     log: tuple[str, ...] = field(default=(), repr=False)
+    cut_s: float = 0.0
+    """Seconds of the last step, cut off by the end of the run (it trains nothing). With the steps' own
+    time, the stalls, the lost and the halted seconds it sums to ``duration_s``."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -511,8 +514,8 @@ def run(
     gpus = cluster_preset(job.cluster).num_gpus
     if n > gpus:  # a sweep (2026-12-05): 256 devices "ran" on a 64-GPU preset
         raise ValueError(
-            f"SimJob(tp={job.tp}, pp={job.pp}, dp={job.dp}) needs {n} devices and cluster {job.cluster!r} has "
-            f"{gpus}: lower tp, pp or dp, or pick a larger cluster"
+            f"SimJob(tp={job.tp}, pp={job.pp}, dp={job.dp}) needs {n} devices and cluster {job.cluster!r} "
+            f"has {gpus}: lower tp, pp or dp, or pick a larger cluster"
         )
     fwd, bwd, nbytes, heads = _layer_times(job)
     if heads % job.tp:
@@ -565,7 +568,7 @@ def run(
     edges = [x for f in failures for x in (f.start_s, f.end_s)]
     changes = sorted({x + d for x in edges for d in (0.0, *delays)} - {math.inf})
     t, plan, steps, good_steps = 0.0, base, 0, 0
-    stall = lost = halted = 0.0
+    stall = lost = halted = cut = 0.0
     timeline: list[tuple[float, float, int]] = []
     log: list[str] = []
     ckpt_step, ckpt_t, since_ckpt_s = 0, 0.0, 0.0  # good_steps at the last checkpoint
@@ -614,7 +617,8 @@ def run(
             continue
         st += overhead + job.step_overhead_s
         if t + st > duration_s:
-            break  # a step cut off by the end of the run counts for nothing
+            cut = duration_s - t  # a step cut off by the end of the run counts for nothing
+            break
         timeline.append((t, st, plan.version))
         t += st
         steps += 1
@@ -631,6 +635,7 @@ def run(
         stall_s=stall,
         lost_s=lost,
         halted_s=halted,
+        cut_s=cut,
         timeline=tuple(timeline),
         log=tuple(log),
     )

@@ -195,3 +195,18 @@ def test_a_layout_the_cluster_or_the_heads_cannot_hold_is_refused():
         run(SimJob(tp=4, pp=16, dp=4, cluster="dgx-h100"), NoOp(), [], 600.0)
     with pytest.raises(ValueError, match="40 attention heads, which tp must divide"):
         run(SimJob(model="llama2-13b", tp=3, pp=4, dp=4), NoOp(), [], 600.0)
+
+
+@pytest.mark.parametrize("policy", ["noop", "resihp", "oracle"])
+def test_every_second_of_a_run_is_in_one_column(policy):
+    # Found in a sweep (2026-12-05): a step cut off by the end of the run was in no column (1496 of 1800 s
+    # of a device slowed to 0.001 from t=300)
+    fails = [
+        FailureEvent(kind="fail-slow", device=5, start_s=300.0, factor=0.001),
+        FailureEvent(kind="fail-stop", device=9, start_s=200.0),
+    ]
+    for failures in (fails[:1], fails[1:]):
+        r = run(JOB, POLICIES[policy](), failures, 1800.0)
+        stepped = sum(st for _, st, _ in r.timeline)
+        assert stepped + r.stall_s + r.lost_s + r.halted_s + r.cut_s == pytest.approx(1800.0, rel=1e-9)
+    assert r.cut_s < max(st for _, st, _ in r.timeline) + 1e-9
