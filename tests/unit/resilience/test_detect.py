@@ -111,3 +111,5 @@ def test_detector_scores_small_sample():
     assert scores["resihp"]["false_alarms_per_run"] <= 0.3
     assert scores["heartbeat"]["detection_rate"] == 1.0
     assert scores["fixed-threshold"]["false_alarms_per_run"] >= 3
+    with pytest.raises(ValueError, match="steps=1: a detection run needs at least 30 steps"):
+        detector_scores(JobSpec(), runs=2, steps=1)  # said "high <= 0"
