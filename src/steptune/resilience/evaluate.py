@@ -195,8 +195,8 @@ def detector_scores(
     alarms per run (alarms on a healthy unit or outside the fault window), mean latency in steps."""
     if steps < 30:  # `detect --steps 1` said only "high <= 0" (a 2026-12-05 sweep)
         raise ValueError(
-            f"steps={steps}: a detection run needs at least 30 steps (the detectors warm up for 10, the fault "
-            "starts between steps/3 and 2*steps/3, and has 10 steps to be detected)"
+            f"steps={steps}: a detection run needs at least 30 steps (the detectors warm up for 10, the "
+            "fault starts between steps/3 and 2*steps/3, and has 10 steps to be detected)"
         )
     rng = np.random.default_rng(seed)
     stats: dict[str, dict[str, list[float]]] = {}

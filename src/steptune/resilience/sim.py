@@ -231,7 +231,8 @@ class SimResult:
     log: tuple[str, ...] = field(default=(), repr=False)
     cut_s: float = 0.0
     """Seconds of the last step, cut off by the end of the run (it trains nothing). With the steps' own
-    time, the stalls, the lost and the halted seconds it sums to ``duration_s``."""
+    time, the stalls, the lost and the halted seconds it sums to ``duration_s`` (a restart's discarded
+    steps are in both ``timeline`` and ``lost_s``: count them once)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -267,7 +268,8 @@ def _layer_times(job: SimJob) -> tuple[tuple[float, ...], tuple[float, ...], tup
     fwd = tuple(max(x, _MIN_LAYER_S) for x in f)
     bwd = tuple(max(x + y, _MIN_LAYER_S) for x, y in zip(b, w, strict=True))
     nbytes = tuple(x.params * _BYTES_PER_PARAM for x in model.layers)
-    return fwd, bwd, nbytes, int(model.config.get("num_attention_heads", 1))
+    config = model.config
+    return fwd, bwd, nbytes, int(config.get("num_attention_heads", config.get("num_heads", 1)))
 
 
 RESCHEDULE_MAX_EXTRA = 3
@@ -518,7 +520,7 @@ def run(
             f"has {gpus}: lower tp, pp or dp, or pick a larger cluster"
         )
     fwd, bwd, nbytes, heads = _layer_times(job)
-    if heads % job.tp:
+    if heads > 1 and heads % job.tp:  # a preset that names no head count is not checked
         raise ValueError(
             f"SimJob(tp={job.tp}): {job.model} has {heads} attention heads, which tp must divide (the "
             "planners split heads evenly): pick a tp that divides them"
