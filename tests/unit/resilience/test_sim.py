@@ -232,3 +232,20 @@ def test_the_oracle_weighs_oobleck_rebuilds_and_covers_rescheduling_after_a_reco
     blip = [FailureEvent(kind="fail-slow", device=5, start_s=100.0, duration_s=3.0, factor=0.999)]
     steps = {p: run(job, mk[p](), blip, 299.674).steps for p in ("adaptra", "steptune", "oracle")}
     assert steps["oracle"] >= max(steps.values()), steps
+
+
+def test_steptune_rebuilds_a_replica_whose_stage_lost_every_tp_member():
+    # Found in a sweep (2026-12-05): with stage 0's TP members dead in every replica, steptune and ResiHP
+    # halted to the end (their planners keep TP groups whole); steptune now weighs Oobleck's rebuild too
+    from steptune.resilience.bench import DetectorCosts, make_policies
+
+    mk = make_policies(DetectorCosts())
+    stage0 = [
+        FailureEvent(kind="fail-stop", device=d, start_s=300.0 + d)
+        for r in range(4)
+        for d in (8 * r, 8 * r + 1)
+    ]
+    got = {p: run(JOB, mk[p](), stage0, 3600.0) for p in ("resihp", "steptune", "oracle")}
+    assert got["resihp"].halted_s > 3000  # ResiHP keeps the paper's planner
+    assert got["steptune"].halted_s < 10 and got["steptune"].tokens_per_s > 4 * got["resihp"].tokens_per_s
+    assert got["steptune"].tokens_per_s <= got["oracle"].tokens_per_s
