@@ -89,9 +89,19 @@ class Oracle(Memoized):
 
         for src in (plan, ctx.base_plan):
             if dead := _dead(src, observed):
-                for per_node in {ctx.gpus_per_node, 1}:
-                    if (c := oobleck_reinstantiate(src, state, dead, per_node)) is not None:
-                        cands.append(c)
+                # every hit replica rebuilt, or all but one, left with its dead workers for rerouting to
+                # price (a sweep: steptune, rebuilding three replicas and rerouting around the fourth,
+                # ran 3% above an oracle that only rebuilt them all)
+                devs = [
+                    {d for s in range(src.num_stages) for d in src.group(r, s)}
+                    for r in range(src.num_replicas)
+                ]
+                hit = [r for r in range(src.num_replicas) if dead & devs[r]]
+                keeps = [dead] + [dead - devs[r] for r in hit if len(hit) > 1]
+                for rebuilt in keeps:
+                    for per_node in {ctx.gpus_per_node, 1}:
+                        if (c := oobleck_reinstantiate(src, state, frozenset(rebuilt), per_node)) is not None:
+                            cands.append(c)
         # The moves are priced by the plain step time (per-replica cached; the other mechanisms' prices
         # would re-simulate every move), the final pick by the best of all prices.
         cands += [improve_counts(c, lambda p: ctx.step_time(p, observed)) for c in cands]
