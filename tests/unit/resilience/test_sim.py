@@ -212,18 +212,23 @@ def test_every_second_of_a_run_is_in_one_column(policy):
     assert r.cut_s < max(st for _, st, _ in r.timeline) + 1e-9
 
 
-def test_the_oracle_weighs_oobleck_rebuilds_and_covers_rescheduling_after_a_recovery():
+def _stage0_lost():
+    """Policy makers, and stage 0's TP members dying in every replica of ``JOB``."""
     from steptune.resilience.bench import DetectorCosts, make_policies
 
-    mk = make_policies(DetectorCosts())
-    # Stage 0's TP members die in every replica. Oobleck rebuilds each replica at TP 1 from its nodes'
-    # survivors; the oracle had no such candidate (a sweep: Oobleck 3.5x above it on the 256-GPU job),
-    # and now also rebuilds dropping only the dead devices (7.1K -> 44K tokens/s here)
     stage0 = [
         FailureEvent(kind="fail-stop", device=d, start_s=300.0 + d)
         for r in range(4)
         for d in (8 * r, 8 * r + 1)
     ]
+    return make_policies(DetectorCosts()), stage0
+
+
+def test_the_oracle_weighs_oobleck_rebuilds_and_covers_rescheduling_after_a_recovery():
+    # Stage 0's TP members die in every replica. Oobleck rebuilds each replica at TP 1 from its nodes'
+    # survivors; the oracle had no such candidate (a sweep: Oobleck 3.5x above it on the 256-GPU job),
+    # and now also rebuilds dropping only the dead devices (7.1K -> 44K tokens/s here)
+    mk, stage0 = _stage0_lost()
     got = {p: run(JOB, mk[p](), stage0, 3600.0).tokens_per_s for p in ("oobleck", "steptune", "oracle")}
     assert got["oracle"] >= max(got.values()) and got["oracle"] > 3 * got["oobleck"], got
     # A blip: Adaptra and steptune keep their rescheduled 1F1B after it ends (their view lags), which pays on
@@ -237,14 +242,7 @@ def test_the_oracle_weighs_oobleck_rebuilds_and_covers_rescheduling_after_a_reco
 def test_steptune_rebuilds_a_replica_whose_stage_lost_every_tp_member():
     # Found in a sweep (2026-12-05): with stage 0's TP members dead in every replica, steptune and ResiHP
     # halted to the end (their planners keep TP groups whole); steptune now weighs Oobleck's rebuild too
-    from steptune.resilience.bench import DetectorCosts, make_policies
-
-    mk = make_policies(DetectorCosts())
-    stage0 = [
-        FailureEvent(kind="fail-stop", device=d, start_s=300.0 + d)
-        for r in range(4)
-        for d in (8 * r, 8 * r + 1)
-    ]
+    mk, stage0 = _stage0_lost()
     got = {p: run(JOB, mk[p](), stage0, 3600.0) for p in ("resihp", "steptune", "oracle")}
     assert got["resihp"].halted_s > 3000  # ResiHP keeps the paper's planner
     assert got["steptune"].halted_s < 10 and got["steptune"].tokens_per_s > 4 * got["resihp"].tokens_per_s
