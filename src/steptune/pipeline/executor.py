@@ -203,6 +203,8 @@ class PipelineExecutor:
         mbs = sched.num_microbatches
         if 0 in self.stages and (inputs is None or len(inputs) != mbs):
             raise ValueError(f"rank {rank} holds stage 0: pass {mbs} microbatch inputs")
+        if self.last in self.stages and (targets is None or len(targets) != mbs):
+            raise ValueError(f"rank {rank} holds the last stage: pass {mbs} targets")
         next_recv = 0
         pending: dict[tuple[str, int, int], _Recv] = {}
         local: dict[tuple[str, int, int], torch.Tensor] = {}

@@ -176,6 +176,19 @@ def test_the_executor_refuses_a_group_of_the_wrong_size_and_plain_modules_before
     PipelineExecutor(sched, stage, group=_Group(2), **kw)  # the right group builds
 
 
+def test_the_last_stage_without_its_targets_is_refused_before_any_work() -> None:
+    # a review (2026-12-05) found this check dropped with the ragged-input one (an AssertionError mid-step)
+    from steptune.pipeline.stages import split_layers
+
+    sched = anchor("1f1b", 1, 2)
+    stage = {0: split_layers([torch.nn.Linear(4, 4)], (1,))[0]}
+    ex = PipelineExecutor(sched, stage, rank=0, group=_Group(1), boundary=[], loss_fn=lambda y, t: y.sum())
+    xs = [torch.randn(1, 4) for _ in range(2)]
+    for targets in (None, [torch.zeros(1)]):
+        with pytest.raises(ValueError, match="rank 0 holds the last stage: pass 2 targets"):
+            ex.step(xs, targets)
+
+
 FIELDS = ("f", "i", "w", "act_bytes", "out_bytes", "static_bytes")
 
 
