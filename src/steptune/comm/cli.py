@@ -69,23 +69,20 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from steptune.comm.constants import CommConstants, gamma_unresolved
+    from steptune.comm.constants import CommConstants
     from steptune.comm.simreport import simulate_table
 
     _check_gpus(args.gpus)
     consts = _consts(args.results)
-    raw = json.loads(Path(args.results).read_text())  # read again: why gamma was not fitted
-    raw = raw if isinstance(raw, dict) and "hbm_contention" in (raw.get("fit") or {}) else None
     base = CommConstants()
+    unfitted = {"hbm_contention": "the file's fit has none", **dict(consts.unfitted)}
     print(f"calibrated from {consts.calibrated_from}")
     for k in ("copy_out_bytes_per_s", "chunk_cat_elems_per_s", "pack_elems_per_s", "cast_elems_per_s",
               "accumulate_elems_per_s", "hbm_contention"):  # fmt: skip
         if k in consts.fitted:
             print(f"  {k:24s} {getattr(base, k):.4g} (cited) -> {getattr(consts, k):.4g} (measured)")
         else:
-            why = ""
-            if k == "hbm_contention":
-                why = f": {gamma_unresolved(raw.get('interference'))}" if raw else ": the file's fit has none"
+            why = f": {unfitted[k]}" if k in unfitted else ""
             print(f"  {k:24s} {getattr(base, k):.4g} (cited; not fitted{why})")
     simulate_table(args.model, args.cluster, args.gpus, consts).print()
     print(f"use it: steptune comm simulate --calibration {args.results} ...")

@@ -65,6 +65,8 @@ class CommConstants:
     """The constants measured on hardware (the rest are cited)."""
     calibrated_device: str = ""
     """The device those were measured on, as the GPU names itself ("NVIDIA H200")."""
+    unfitted: tuple[tuple[str, str], ...] = ()
+    """(constant, why) for each value the file fits that was not applied (``hbm_contention`` inside noise)."""
 
     def for_device(self, device: DeviceSpec) -> CommConstants:
         """Kernel rates on ``device``: cited (H100) rates scaled by HBM bandwidth; measured ones as they are
@@ -145,8 +147,10 @@ def calibrated(path: str | Path, base: CommConstants | None = None) -> CommConst
     names = {f.name for f in fields(CommConstants)}
     assert set(_CALIBRATABLE) <= names
     fit = dict(fit)
-    if "hbm_contention" in fit and not gamma_resolved(data.get("interference")):
+    unfitted = []
+    if "hbm_contention" in fit and (why := gamma_unresolved(data.get("interference"))) is not None:
         del fit["hbm_contention"]  # inside the method's noise: the cited value stays
+        unfitted.append(("hbm_contention", why))
     device = str(data.get("device", "unknown device"))
     return replace(
         base or CommConstants(),
@@ -154,6 +158,7 @@ def calibrated(path: str | Path, base: CommConstants | None = None) -> CommConst
         calibrated_from=f"{path} ({device})",
         fitted=tuple(fit),
         calibrated_device=device,
+        unfitted=tuple(unfitted),
     )
 
 

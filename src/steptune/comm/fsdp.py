@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -402,7 +403,7 @@ def _group_names(groups: list[Any], names: dict[int, str], params: dict[int, str
     (torch 2.13's per-parameter meshes: an expert weight on its own mesh beside a dense one), so that every
     group has its own verdict."""
     base = {id(g): ",".join(names.get(id(m), "?") for m in g.modules) for g in groups}
-    shared = {n for n in base.values() if list(base.values()).count(n) > 1}
+    shared = {n for n, k in Counter(base.values()).items() if k > 1}
     out = {}
     for g in groups:
         held = ", ".join(params.get(id(fp.sharded_param), fp._module_info.param_name) for fp in g.fsdp_params)

@@ -64,14 +64,16 @@ def force_save_reason(
     namespace = getattr(func, "namespace", "")
     if namespace in _COLLECTIVE_NAMESPACES:
         return "collective"
-    if namespace not in _TORCH_NAMESPACES and any(
-        isinstance(o, (int, float, bool, torch.SymInt, torch.SymFloat)) for o in tree_flatten(out)[0]
-    ):  # read from tensor data, perhaps (an amax scale): a reused tape would hold it constant
-        return "host sync or data-dependent shape (a custom op returned a number)"
-    if namespace not in _TORCH_NAMESPACES and not _declared_pure(func, pure) and not _inert(func, out):
-        # A torch.library op's kernel runs below the recorder and carries none of aten's tags: it may draw
-        # random numbers (a fused dropout mask gave wrong gradients when replayed) or have side effects.
-        return "custom op (its kernel is hidden from the tape: random or side effects cannot be ruled out)"
+    if namespace not in _TORCH_NAMESPACES:
+        if any(isinstance(o, (int, float, bool, torch.SymInt, torch.SymFloat)) for o in tree_flatten(out)[0]):
+            # read from tensor data, perhaps (an amax scale): a reused tape would hold it constant
+            return "host sync or data-dependent shape (a custom op returned a number)"
+        if not _declared_pure(func, pure) and not _inert(func, out):
+            # A torch.library op's kernel runs below the recorder and carries none of aten's tags: it may draw
+            # random numbers (a fused dropout mask gave wrong gradients when replayed) or have side effects.
+            return (
+                "custom op (its kernel is hidden from the tape: random or side effects cannot be ruled out)"
+            )
     tags = getattr(func, "tags", ())
     if any(tag in tags for tag in _SYNC_TAGS) and not _integer_indexing(func, args):
         return "host sync or data-dependent shape"

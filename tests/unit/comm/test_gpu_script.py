@@ -129,3 +129,4 @@ def test_an_unresolved_gamma_in_a_results_file_is_not_applied() -> None:
         # and `comm calibrate` says which: run3 has no repeated baseline (it said "inside its noise floor")
         says = "no repeated baseline" if run == "run3" else "inside twice the baseline's own spread"
         assert says in (gamma_unresolved(data["interference"]) or "")
+        assert dict(consts.unfitted)["hbm_contention"] == gamma_unresolved(data["interference"])
