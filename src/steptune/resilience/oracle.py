@@ -83,25 +83,15 @@ class Oracle(Memoized):
         cands += [shares_only(shared, src) for src in (plan, ctx.base_plan)]  # steptune's, for rerouting
         # Oobleck's: each hit replica rebuilt from the survivors at a lower TP degree, dropping whole nodes
         # (its own rule) or only the dead devices (a sweep: Oobleck beat the oracle 3.5x when the TP members
-        # of stage 0 died in every replica, and by 4% when two nodes died)
+        # of stage 0 died in every replica, and by 4% when two nodes died); and all hit replicas but one, left
+        # with its dead workers for rerouting to price (steptune, rebuilding three and rerouting around the
+        # fourth, ran 3% above an oracle that only rebuilt them all)
         from steptune.resilience.baselines._common import _dead
-        from steptune.resilience.baselines.failstop import oobleck_reinstantiate
+        from steptune.resilience.baselines.failstop import rebuilds
 
         for src in (plan, ctx.base_plan):
             if dead := _dead(src, observed):
-                # every hit replica rebuilt, or all but one, left with its dead workers for rerouting to
-                # price (a sweep: steptune, rebuilding three replicas and rerouting around the fourth,
-                # ran 3% above an oracle that only rebuilt them all)
-                devs = [
-                    {d for s in range(src.num_stages) for d in src.group(r, s)}
-                    for r in range(src.num_replicas)
-                ]
-                hit = [r for r in range(src.num_replicas) if dead & devs[r]]
-                keeps = [dead] + [dead - devs[r] for r in hit if len(hit) > 1]
-                for rebuilt in keeps:
-                    for per_node in {ctx.gpus_per_node, 1}:
-                        if (c := oobleck_reinstantiate(src, state, frozenset(rebuilt), per_node)) is not None:
-                            cands.append(c)
+                cands += rebuilds(src, state, dead, ctx.gpus_per_node, all_but_one=True)
         # The moves are priced by the plain step time (per-replica cached; the other mechanisms' prices
         # would re-simulate every move), the final pick by the best of all prices.
         cands += [improve_counts(c, lambda p: ctx.step_time(p, observed)) for c in cands]

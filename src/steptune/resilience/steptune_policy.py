@@ -162,12 +162,10 @@ class SteptunePolicy(ResiHPPolicy):
         # dropped, or only the dead devices). Without it a stage whose every TP member died halted the job
         # (the TP members of stage 0 dead in every replica: 1.92e4 tokens/s against Oobleck's 1.28e5).
         from steptune.resilience.baselines._common import _dead
-        from steptune.resilience.baselines.failstop import oobleck_reinstantiate
+        from steptune.resilience.baselines.failstop import rebuilds
 
         if dead := _dead(plan, observed):
-            for per_node in {ctx.gpus_per_node, 1}:
-                if (c := oobleck_reinstantiate(plan, state, dead, per_node)) is not None:
-                    more.append(c)
+            more += rebuilds(plan, state, dead, ctx.gpus_per_node)
 
         def price(p: ExecutionPlan) -> float:
             return ctx.step_time(p, observed)

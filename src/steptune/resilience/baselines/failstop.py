@@ -12,7 +12,7 @@ from steptune.resilience.policies import Memoized, restart_plan
 from steptune.resilience.sim import Decision, SimContext, dp_sync_s, pipeline_time, reconfig_cost
 from steptune.resilience.steptime import rebalanced
 
-__all__ = ["Oobleck", "ReCycle", "oobleck_reinstantiate", "recycle_step_time"]
+__all__ = ["Oobleck", "ReCycle", "oobleck_reinstantiate", "rebuilds", "recycle_step_time"]
 
 
 # ReCycle -----------------------------------------------------------------------------------------
@@ -139,6 +139,32 @@ class Oobleck(Memoized):
         if new is None:
             return Decision(plan)
         return Decision(new, reconfig_cost(plan, new, ctx.job.reconfig))
+
+
+def rebuilds(
+    plan: ExecutionPlan,
+    state: ClusterState,
+    dead: frozenset[int],
+    gpus_per_node: int,
+    *,
+    all_but_one: bool = False,
+) -> list[ExecutionPlan]:
+    """Oobleck's rebuilds of the replicas ``dead`` hits, dropping whole nodes (its own rule) or only the dead
+    devices; with ``all_but_one`` also each variant that leaves one hit replica as it is (its dead workers
+    for rerouting to price)."""
+    keeps = [dead]
+    if all_but_one:
+        devs = [
+            {d for s in range(plan.num_stages) for d in plan.group(r, s)} for r in range(plan.num_replicas)
+        ]
+        hit = [r for r in range(plan.num_replicas) if dead & devs[r]]
+        keeps += [dead - devs[r] for r in hit if len(hit) > 1]
+    out = []
+    for rebuilt in keeps:
+        for per_node in {gpus_per_node, 1}:
+            if (c := oobleck_reinstantiate(plan, state, frozenset(rebuilt), per_node)) is not None:
+                out.append(c)
+    return out
 
 
 def oobleck_reinstantiate(
