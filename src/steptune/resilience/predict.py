@@ -94,6 +94,11 @@ class WorkloadPredictor:
 
     def observe(self, key: Hashable, n: float, q: float, t: float) -> bool:
         """Feed one sample; returns whether it was used (warm-up, or inside the healthy band)."""
+        if not all(math.isfinite(v) and v >= 0 for v in (n, q, t)):
+            raise ValueError(
+                f"predictor key {key!r}: tokens, sum of squared lengths and time must be finite and >= 0, "
+                f"got n={n!r}, q={q!r}, t={t!r} (check the timer or the batch that produced this sample)"
+            )
         st = self._keys.get(key)
         if st is None:
             w = self.config.window

@@ -76,6 +76,8 @@ __all__ = [
 
 _KINDS = ("fail-stop", "fail-slow")
 _TARGETS = ("compute", "link")
+MIN_FACTOR = 1e-6
+"""Slowest fail-slow speed the simulator prices (a million-fold slowdown); slower is a hang: a fail-stop."""
 _MIN_LAYER_S = 1e-9
 """Floor on a layer's time: embeddings have (almost) no FLOPs but the planner needs costs > 0."""
 _BYTES_PER_PARAM = 16.0
@@ -107,6 +109,11 @@ class FailureEvent:
         if self.kind == "fail-slow" and not 0 < self.factor <= 1:
             hint = f"; a {self.factor:g}x slowdown is factor {1 / self.factor:.4g}" if self.factor > 1 else ""
             raise ValueError(f"fail-slow factor {self.factor} must lie in (0, 1] (0.5 = half speed){hint}")
+        if self.kind == "fail-slow" and self.factor < MIN_FACTOR:
+            raise ValueError(
+                f"fail-slow factor {self.factor:g} is below {MIN_FACTOR:g} (a million-fold slowdown): "
+                "a device that slow is hung; write it as a fail-stop"
+            )
 
     @property
     def end_s(self) -> float:

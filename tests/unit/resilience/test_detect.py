@@ -45,6 +45,11 @@ def test_predictor_recovers_a_linear_model_and_refuses_failures():
     assert pred.predict("s0", 2e4, 2e8) == pytest.approx(0.01 + 0.04 + 0.02, rel=1e-6)
     assert not pred.observe("s0", 2e4, 2e8, 1.5 * 0.07)  # a slowed sample is not learned
     assert pred.predict("s0", 2e4, 2e8) == pytest.approx(0.07, rel=1e-6)
+    # a NaN time passed the healthy band (NaN compares False) and broke the next refit inside scipy
+    for bad in ((2e4, 2e8, float("nan")), (2e4, float("inf"), 0.07), (-1.0, 2e8, 0.07)):
+        with pytest.raises(ValueError, match="finite and >= 0"):
+            pred.observe("s0", *bad)
+    assert pred.predict("s0", 2e4, 2e8) == pytest.approx(0.07, rel=1e-6)
 
 
 def test_predictors_are_accurate_on_healthy_variable_lengths():

@@ -43,6 +43,9 @@ def test_csv_round_trip_and_errors(tmp_path: Path) -> None:
     bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,1,10,inf,1.7\n")
     with pytest.raises(ValueError, match=r"bad\.csv:2"):
         read_csv(bad)
+    bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,1,10,inf,5e-324\n")
+    with pytest.raises(ValueError, match=r"bad\.csv:2: .*hung; write it as a fail-stop"):
+        read_csv(bad)  # was an infinite stage cost deep in the simulator
     (tmp_path / "h.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match="header"):
         read_csv(tmp_path / "h.csv")
