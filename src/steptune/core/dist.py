@@ -43,6 +43,7 @@ __all__ = [
     "as_process_group",
     "cannot_pickle",
     "connect_store",
+    "default_store",
     "env_rank",
     "init_default_group",
     "irecv",
@@ -154,6 +155,16 @@ def init_default_group(backend: str = "gloo", **kwargs: Any) -> dist.ProcessGrou
     dist.init_process_group(backend, **kwargs)
     group: dist.ProcessGroup = dist.group.WORLD  # type: ignore[assignment]
     return group
+
+
+def default_store() -> Any:
+    """The default group's store (torchrun's, or ``init_default_group``'s), or None when none exists."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # a private call: absent or refusing, no store
+        return None
 
 
 def as_process_group(backend: Any, store: Any, rank: int, world_size: int, *, prefix: str) -> Any:

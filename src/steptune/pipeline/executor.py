@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,8 @@ BoundaryMeta = tuple[torch.Size | tuple[int, ...], torch.dtype]
 
 
 class ExecutorTimeout(RuntimeError):
-    """A wait exceeded the watchdog timeout; the message lists every rank's last position."""
+    """A wait exceeded the watchdog timeout, or a peer's did (gloo then closes the connection); the message
+    lists every rank's last position."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +53,10 @@ class ExecutorConfig:
     """Receives posted ahead of the one being consumed (each holds one activation buffer)."""
     timeout: float = 60.0
     """Seconds a single wait may take before the watchdog turns it into an error."""
+    publish: str = "action"
+    """With a store: "action" writes this rank's position before every action (a hang is visible from
+    outside while it lasts; one store round trip per action); "timeout" writes it only when a wait times
+    out, then waits up to min(timeout, 10 s) for the peers' (no cost while the step runs)."""
 
     def __post_init__(self) -> None:  # a sweep (2026-12-05): -1 gave a KeyError, nan a ValueError later
         if (
@@ -64,6 +70,8 @@ class ExecutorConfig:
         t = self.timeout
         if isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t > 0):
             raise ValueError(f"ExecutorConfig.timeout must be a finite number of seconds > 0, got {t!r}")
+        if self.publish not in ("action", "timeout"):
+            raise ValueError(f'ExecutorConfig.publish must be "action" or "timeout", got {self.publish!r}')
 
 
 def check_schedule(schedule: Schedule) -> None:
@@ -143,6 +151,7 @@ class PipelineExecutor:
         self.config = config or ExecutorConfig()
         self.store = store
         self.prefix = prefix
+        self._position = "before its first action"
         self.order = schedule.orders[rank]
         self.last = schedule.num_stages - 1
         self.losses: list[float] = []
@@ -168,30 +177,43 @@ class PipelineExecutor:
     # --- watchdog ------------------------------------------------------------------------------
 
     def _publish(self, position: str) -> None:
-        if self.store is not None:
+        self._position = position
+        if self.store is not None and self.config.publish == "action":
             self.store.set(f"{self.prefix}/pos/{self.rank}", position)
 
     def _positions(self) -> str:
         if self.store is None:
-            return f"rank {self.rank} only (no store given)"
+            return f"rank {self.rank}: {self._position} (no store given, so no other rank's position)"
+        if self.config.publish == "timeout":  # the peers publish when their own waits time out
+            self.store.set(f"{self.prefix}/pos/{self.rank}", self._position)
+            grace = min(self.config.timeout, 10.0)
+        else:
+            grace = 0.2
+        deadline = time.monotonic() + grace
         lines = []
         for r in range(self.schedule.num_devices):
             key = f"{self.prefix}/pos/{r}"
             try:
-                self.store.wait([key], datetime.timedelta(milliseconds=200))
+                left = max(deadline - time.monotonic(), 0.05)
+                self.store.wait([key], datetime.timedelta(seconds=left))
                 lines.append(f"rank {r}: {self.store.get(key).decode()}")
             except Exception:
-                lines.append(f"rank {r}: (no position published)")
+                why = f" within {grace:g} s: busy, hung or dead?" if self.config.publish == "timeout" else ""
+                lines.append(f"rank {r}: (no position published{why})")
         return "; ".join(lines)
 
     def _wait(self, work: Any, what: str) -> None:
         try:
             work.wait(datetime.timedelta(seconds=self.config.timeout))
         except RuntimeError as exc:
-            raise ExecutorTimeout(
-                f"rank {self.rank} waited more than {self.config.timeout:g} s for {what} "
-                f"({exc}); positions: {self._positions()}"
-            ) from exc
+            raise self._peer_error(exc, what) from exc
+
+    def _peer_error(self, exc: RuntimeError, what: str) -> ExecutorTimeout:
+        if "timed out" in str(exc).lower():
+            head = f"rank {self.rank} waited more than {self.config.timeout:g} s for {what}"
+        else:  # gloo closes a pair whose wait timed out: this rank's peer gave up first
+            head = f"rank {self.rank} lost its connection to a peer at {what} (its watchdog fired first?)"
+        return ExecutorTimeout(f"{head} ({exc}); positions: {self._positions()}")
 
     # --- one step --------------------------------------------------------------------------------
 
@@ -217,7 +239,10 @@ class PipelineExecutor:
             while next_recv < min(limit, len(self._recvs)):
                 key, src, tag, (shape, dtype) = self._recvs[next_recv]
                 rv = _Recv(key=key, src=src, tag=tag, buf=torch.empty(shape, dtype=dtype))
-                rv.work = irecv(rv.buf, src, self.group, tag=tag)
+                try:
+                    rv.work = irecv(rv.buf, src, self.group, tag=tag)
+                except RuntimeError as exc:
+                    raise self._peer_error(exc, f"posting a receive from rank {src}") from exc
                 pending[key] = rv
                 next_recv += 1
 
@@ -243,9 +268,11 @@ class PipelineExecutor:
                         f"{tuple(tensor.shape)}, the boundary's is {tuple(shape)}: every microbatch must "
                         "cross it at one shape; pad the short one, or drop it (DataLoader(drop_last=True))"
                     )
-                sends.append(
-                    (isend(tensor.contiguous(), dst, self.group, tag=tag), f"send {key} to rank {dst}")
-                )
+                what = f"send {key} to rank {dst}"
+                try:
+                    sends.append((isend(tensor.contiguous(), dst, self.group, tag=tag), what))
+                except RuntimeError as exc:
+                    raise self._peer_error(exc, what) from exc
 
         post_until(self.config.recv_window)
         for pos, a in enumerate(self.order):

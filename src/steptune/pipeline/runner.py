@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from steptune.core.dist import irecv, isend
+from steptune.core.dist import default_store, irecv, isend
 from steptune.core.specs import LinkSpec
 from steptune.pipeline.costs import LayerCosts, split_layer, stage_costs
 from steptune.pipeline.executor import ExecutorConfig, PipelineExecutor
@@ -168,7 +168,9 @@ def _our_engine(rank: int, group: Any, schedule: Schedule, bundle: ModelBundle) 
         group=group,
         boundary=meta,
         loss_fn=bundle.loss_fn,
-        config=ExecutorConfig(timeout=120.0),
+        config=ExecutorConfig(timeout=120.0, publish="timeout"),  # no store call per action: it is timed
+        store=default_store(),
+        prefix="pp/run",
     )
     xs = bundle.inputs if 0 in mine else None
     ys = bundle.targets if schedule.num_stages - 1 in mine else None

@@ -357,6 +357,49 @@ def test_stuck_rank_becomes_an_error_with_every_rank_position():
     assert "ExecutorTimeout" in msg and "rank 0: action" in msg and "rank 1: stuck before" in msg
 
 
+def test_on_timeout_publishing_names_the_waiting_ranks_and_the_busy_one():
+    """``publish="timeout"`` (what ``pipeline run`` uses: no store call per timed action): the ranks whose
+    waits time out publish then and list each other; the rank stuck computing is the one unpublished."""
+    from steptune.core.dist import connect_store, master_store
+
+    sched = with_partition(anchors.one_f_one_b(3, 2), (1, 1, 1))
+    costs = LayerCosts(
+        f=(4.0, 0.0, 0.0),  # rank 0 computes past its peers' 1 s watchdog and their 1 s grace
+        i=(0.0,) * 3,
+        w=(0.0,) * 3,
+        act_bytes=(1.0,) * 3,
+        out_bytes=(1.0,) * 3,
+        static_bytes=(1.0,) * 3,
+    )
+    stages = split_layers(sleep_layers(costs), (1, 1, 1))
+    store = master_store()
+
+    def rank_fn(rank, group):
+        ex = PipelineExecutor(
+            sched,
+            {rank: stages[rank]},
+            rank=rank,
+            group=group,
+            boundary=[((1, 16), torch.float32)] * 2,
+            loss_fn=lambda o, t: o.sum(),
+            config=ExecutorConfig(timeout=1.0, publish="timeout"),
+            store=connect_store(
+                store.port
+            ),  # one client per rank, as processes have: a client is not threadsafe
+            prefix="t",
+        )
+        return ex.step([torch.randn(1, 16) for _ in range(2)] if rank == 0 else None, [None, None])
+
+    with pytest.raises(RankFailure) as info:
+        run_threads(rank_fn, 3, timeout=30)
+    msg = info.value.remote_traceback
+    assert "ExecutorTimeout" in msg
+    assert "rank 0: (no position published within 1 s: busy, hung or dead?)" in msg
+    assert "rank 1: action 0/" in msg and "rank 2: action 0/" in msg
+    with pytest.raises(ValueError, match="publish"):
+        ExecutorConfig(publish="never")
+
+
 def test_a_ragged_microbatch_is_refused_before_any_communication():
     # Found in a sweep (2026-12-05): the short last microbatch went out, the next stage received it into a
     # buffer sized for microbatch 0 and computed on uninitialised memory before failing far away
