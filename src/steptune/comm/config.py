@@ -32,7 +32,8 @@ class TideConfig:
     align_bytes: int = 16
     """Alignment of each parameter's storage inside its slot."""
     self_test: bool = True
-    """Run a small all-gather / reduce-scatter on each process group at enable time; fall back if it fails."""
+    """Run a small all-gather / reduce-scatter on each process group at enable time (and on a separate
+    reduce-scatter group set after it, at its first use); fall back if it fails."""
 
     def __post_init__(self) -> None:
         if self.ag_algorithm not in AG_ALGORITHMS:

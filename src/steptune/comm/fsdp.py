@@ -201,7 +201,14 @@ def _reduce(fsdp_params: list[Any], unsharded_grads: list[torch.Tensor], rs_grou
         hook,
         _fs,
     ) = rest
-    if st is not None and ar_group is None and partial is None and hook is None and divide_factor is None:
+    if (
+        st is not None
+        and ar_group is None
+        and partial is None
+        and hook is None
+        and divide_factor is None
+        and st.rs_group_passes(rs_group, device)
+    ):
         with _counting(meter):
             return st.reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, device, meter)
     with _counting(meter):
@@ -419,8 +426,13 @@ def _self_tests(groups: list[Any], config: TideConfig, fqns: dict[int, str]) -> 
     failed = {}
     for g in groups:
         pg = g.mesh_info.shard_process_group
-        if id(pg) not in verdicts:
-            verdicts[id(pg)] = self_test(pg, g.device, config)
-        if verdicts[id(pg)] is not None:
-            failed[fqns[id(g)]] = f"self-test failed: {verdicts[id(pg)]}"
+        # FSDP2's separate reduce-scatter group (torch 2.13 set_separate_reduce_scatter_group), when set
+        rs = getattr(g.mesh_info, "reduce_scatter_process_group", None)
+        for what, group in (("self-test", pg), ("self-test of its separate reduce-scatter group", rs)):
+            if group is None or (group is pg and what != "self-test"):
+                continue
+            if id(group) not in verdicts:
+                verdicts[id(group)] = self_test(group, g.device, config)
+            if verdicts[id(group)] is not None and fqns[id(g)] not in failed:
+                failed[fqns[id(g)]] = f"{what} failed: {verdicts[id(group)]}"
     return failed

@@ -9,6 +9,7 @@ its own all-gather outputs and unsharded parameters at the next all-gather.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -16,9 +17,10 @@ from torch import nn
 
 from steptune.comm.accounting import CommMeter
 from steptune.comm.ag import all_gather_into
-from steptune.comm.config import TideConfig
+from steptune.comm.config import TideConfig, TideFallbackWarning
 from steptune.comm.layout import GroupLayout, ParamSpec
 from steptune.comm.rs import reduce_scatter_into, staging_numel
+from steptune.comm.selftest import self_test
 from steptune.comm.slots import Slot
 from steptune.comm.transport import ProcessGroupP2P, select_transport
 
@@ -48,6 +50,10 @@ class GroupState:
         self.slot: Slot | None = None
         self.transport: ProcessGroupP2P | None = None
         self._rs_transport: ProcessGroupP2P | None = None
+        # Reduce-scatter groups and their self-test verdicts (None: passed). One set before enable_tide was
+        # tested there; one set after it is tested at its first use.
+        rs = getattr(param_group.mesh_info, "reduce_scatter_process_group", None)
+        self._rs_checked: list[tuple[Any, str | None]] = [] if rs is None else [(rs, None)]
         self._rs_layouts: dict[tuple[int, ...], GroupLayout] = {}
         for fp in self.fsdp_params:
             fp._tide_state = self
@@ -67,6 +73,26 @@ class GroupState:
                 fp.__dict__.pop("_unsharded_param", None)
         self.slot = None
         self._rs_transport = None
+
+    def rs_group_passes(self, group: Any, device: torch.device) -> bool:
+        """Whether TIDE may reduce-scatter on ``group``: the shard group, or a separate reduce-scatter group
+        whose self-test passed. A new one is tested here, at its first reduce-scatter (every rank reaches
+        it at the same point of backward); one that fails stays on stock FSDP2, with a warning."""
+        if group is None or group is self.param_group.mesh_info.shard_process_group:
+            return True
+        for known, verdict in self._rs_checked:
+            if known is group:
+                return verdict is None
+        verdict = self_test(group, device, self.config) if self.config.self_test else None
+        self._rs_checked.append((group, verdict))
+        if verdict is not None:
+            warnings.warn(
+                f"TIDE: group {self.fqn}'s separate reduce-scatter group failed its self-test ({verdict}); "
+                "its reduce-scatters stay on stock FSDP2",
+                TideFallbackWarning,
+                stacklevel=2,
+            )
+        return verdict is None
 
     # -- lazy set-up (first all-gather: FSDP2's lazy init has set dtypes and devices by then) ------------
     def _ensure(self, group: Any, device: torch.device) -> tuple[GroupLayout, Slot, ProcessGroupP2P]:

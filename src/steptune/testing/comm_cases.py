@@ -38,6 +38,9 @@ CASES = {
         "per_param_mesh",
         "per_param_mesh_experts_first",
         "separate_rs_group",
+        "separate_rs_group_fails",
+        "separate_rs_group_late",
+        "separate_rs_group_late_fails",
     ),
     4: ("hsdp", "reshard_int", "tensor_parallel"),
 }
@@ -115,7 +118,10 @@ def _shard(model: nn.Sequential, case: str, mesh: Any, group: Any) -> None:
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    if case == "separate_rs_group":  # torch 2.13: reduce-scatter on a process group of its own
+    if case in (
+        "separate_rs_group",
+        "separate_rs_group_fails",
+    ):  # torch 2.13: reduce-scatter on a group of its own
         model.set_separate_reduce_scatter_group(True)  # type: ignore[operator]
     for layer in layers:
         if case == "divide_factor":
@@ -209,6 +215,15 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
         selftest._check = lambda g, d, c: (
             real_check(g, d, c) or ("corrupted on rank 1" if rank == 1 else None)
         )
+
+    def fail_rs_groups() -> None:  # only the separate reduce-scatter groups come out wrong, on rank 1
+        rs = {id(g.mesh_info.reduce_scatter_process_group) for g in tide_fsdp._param_groups(tide)}
+        selftest._check = lambda g, d, c: (
+            real_check(g, d, c) or ("corrupted on rank 1" if rank == 1 and id(g) in rs else None)
+        )
+
+    if case == "separate_rs_group_fails":
+        fail_rs_groups()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -224,6 +239,11 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
             # checks at every call (real compiled autograd needs torch.compile, too slow for this box).
             compiled_autograd.in_compiled_autograd_region = True  # type: ignore[attr-defined]
         refused: list[str] = []
+        if case.startswith("separate_rs_group_late"):  # set after enable_tide: tested at its first use
+            for m in (stock, tide):
+                m.set_separate_reduce_scatter_group(True)  # type: ignore[operator]
+            if case.endswith("fails"):
+                fail_rs_groups()
         try:
             if case == "mid_accumulation":
                 refused = _switch_mid_accumulation(stock, tide, opts, handle, rank)
@@ -237,6 +257,7 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
                     opt.zero_grad()
         finally:
             compiled_autograd.in_compiled_autograd_region = False  # type: ignore[attr-defined]
+            selftest._check = real_check
     if case == "disable_unsharded":  # a no-grad forward leaves the groups unsharded (no reshard after it)
         with torch.no_grad():
             tide(torch.randn(4, 16))
@@ -268,11 +289,18 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
     )
     if case == "disable_unsharded":
         return {"groups": handle.groups, "refused": refused, "bitwise_equal": equal}
-    if case in ("mid_accumulation", "separate_rs_group"):
+    if case in (
+        "mid_accumulation",
+        "separate_rs_group",
+        "separate_rs_group_late",
+        "separate_rs_group_late_fails",
+    ):
         own = [st._rs_transport is not None and st._rs_transport.group is not st.transport.group
                for st in handle._states]  # fmt: skip
         handle.disable()
-        return {"groups": handle.groups, "refused": refused, "bitwise_equal": equal, "own_rs_group": own}
+        warned = [str(w.message) for w in caught if issubclass(w.category, TideFallbackWarning)]
+        return {"groups": handle.groups, "refused": refused, "bitwise_equal": equal, "own_rs_group": own,
+                "warnings": warned}  # fmt: skip
     handle.disable()
     return {
         "groups": handle.groups,

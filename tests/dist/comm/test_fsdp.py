@@ -80,9 +80,18 @@ def test_every_fallback_warns_and_matches_stock(w):
                     assert all("accumulated without reduce-scatter" in m for m in r["refused"])
                     assert "call disable()" in r["refused"][0] and "call enable_tide" in r["refused"][1]
                     continue
-                if case == "separate_rs_group":  # TIDE's reduce-scatter ran on FSDP2's separate group
+                if case in ("separate_rs_group", "separate_rs_group_late"):  # TIDE's RS ran on FSDP2's group
                     assert set(r["groups"].values()) == {"tide"} and all(r["own_rs_group"]), r
-                    assert len(r["own_rs_group"]) == len(r["groups"])
+                    assert len(r["own_rs_group"]) == len(r["groups"]) and not r["warnings"], r
+                    continue
+                if (
+                    case == "separate_rs_group_late_fails"
+                ):  # tested at first use; failed: stock reduce-scatter
+                    assert set(r["groups"].values()) == {"tide"} and not any(r["own_rs_group"]), r
+                    assert len(r["warnings"]) == len(r["groups"]), r["warnings"]
+                    assert all(
+                        "separate reduce-scatter group failed its self-test" in w for w in r["warnings"]
+                    )
                     continue
                 if case.startswith("per_param_mesh"):  # two groups on module "0": each its own verdict
                     dense, experts = "0 [0.dense.weight, 0.dense.bias]", "0 [0.experts]"
@@ -98,3 +107,7 @@ def test_every_fallback_warns_and_matches_stock(w):
                 assert stayed, (case, r["groups"])
                 assert len(r["warnings"]) == len(stayed), (case, r["warnings"])
                 assert all("stays on stock FSDP2" in m for m in r["warnings"])
+                if case == "separate_rs_group_fails":  # tested at enable time, beside the shard group
+                    assert all(
+                        "self-test of its separate reduce-scatter group failed" in m for m in r["warnings"]
+                    )
