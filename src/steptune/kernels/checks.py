@@ -20,7 +20,10 @@ exploit, by reading the AST (not by regex, so comments and strings do not trip t
 - rebinding a name in an imported module (`torch.softmax = ...`, `setattr(torch, "relu", f)`): the
   reference calls the same torch, so a patch changes what the candidate is compared against and timed
   with (the worker also checks torch's namespaces at run time);
-- running other files (`runpy`): the reference's file is in the worker's folder.
+- running other files (`runpy`): the reference's file is in the worker's folder;
+- importing steptune (the evaluator's own checks, op lists and clock live there), `__setattr__` /
+  `__delattr__` (rebinding past the rebinding check), and defining `__torch_function__` /
+  `__torch_dispatch__` (a tensor subclass whose operations run inside the evaluator's comparisons).
 
 Static checks are the first line only. The worker also checks at run time: the aten ops the candidate
 dispatches (calling the reference's op sequence is rejected), output aliasing, input mutation, guard bytes
@@ -52,7 +55,12 @@ _BANNED_MODULES = {
     "steptune_problem": "reaches the reference module",
     "runpy": "runs other files (the reference's among them)",
     "steptune_candidate": "reaches the evaluator's module table",
+    "steptune": "reaches the evaluator (its checks, its op lists and its clock); a C kernel imports "
+    "only `from steptune.kernels.cext import load_c, ptr`",
 }
+# The one way into steptune a kernel needs: the C build helper's public names, by from-import only (a module
+# object would reach its own imports: cext.subprocess).
+_ALLOWED_FROM = {"steptune.kernels.cext": {"DEFAULT_CFLAGS", "CompileError", "compiler", "load_c", "ptr"}}
 _BANNED_OS = {
     "fork", "forkpty", "system", "popen", "kill", "killpg", "spawnv", "spawnl", "posix_spawn",
     "_exit", "abort",
@@ -100,8 +108,15 @@ _BANNED_ATTRS = {
     "__self__": "reaches a bound method's owner",
     "__func__": "reaches a bound method's function",
     "__wrapped__": "reaches a wrapped function",
+    "__setattr__": "rebinds attributes past the rebinding check (time.__setattr__('perf_counter', ...))",
+    "__delattr__": "deletes attributes past the rebinding check",
+    "__torch_function__": "makes a tensor subclass whose operations run the candidate's code inside the "
+    "evaluator's own checks",
+    "__torch_dispatch__": "makes a tensor subclass whose operations run the candidate's code inside the "
+    "evaluator's own checks",
 }
 _BANNED_ATTR_PARTS = ("TorchDispatch", "TorchFunction", "dispatch_mode")
+_SUBCLASS_HOOKS = ("__torch_function__", "__torch_dispatch__")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +165,13 @@ class _Visitor(ast.NodeVisitor):
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         mod = node.module or ""
-        self._module(mod, node)
+        allowed = node.level == 0 and all(a.name in _ALLOWED_FROM.get(mod, ()) for a in node.names)
+        if not allowed:
+            self._module(mod, node)
         for a in node.names:
             full = f"{mod}.{a.name}"
-            self._module(full, node)
+            if not allowed:
+                self._module(full, node)
             if mod == "os" and (a.name in _BANNED_OS or a.name.startswith(("exec", "spawn"))):
                 self._add("banned-call", node, f"imports os.{a.name}, which starts, kills or ends processes")
             self.aliases[a.asname or a.name] = full
@@ -249,7 +267,16 @@ class _Visitor(ast.NodeVisitor):
                         )
         self.generic_visit(node)
 
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        if node.name in _SUBCLASS_HOOKS:  # defining it (in a class body) is the route, not reading it
+            self._add("banned-attribute", node, f"defines {node.name}, which {_BANNED_ATTRS[node.name]}")
+        self.generic_visit(node)
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
     def visit_Name(self, node: ast.Name) -> None:
+        if node.id in _SUBCLASS_HOOKS:  # ``__torch_function__ = ...`` in a class body
+            self._add("banned-attribute", node, f"binds {node.id}, which {_BANNED_ATTRS[node.id]}")
         if node.id == "SystemExit":
             self._add("banned-call", node, "raises SystemExit, which ends the process before it is judged")
         if node.id in ("__builtins__", "__loader__", "__spec__"):

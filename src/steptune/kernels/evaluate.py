@@ -48,8 +48,9 @@ from steptune.kernels.problems import import_source, tolerance
 
 __all__ = ["run_job"]
 
-# Ops that move, view, allocate or convert data; they do not count as "calling the reference".
-_NON_COMPUTE = {
+# Ops that move, view, allocate or convert data; they do not count as "calling the reference". Frozen: a
+# candidate that reaches it cannot widen it.
+_NON_COMPUTE = frozenset({
     "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.zeros", "aten.zeros_like", "aten.ones",
     "aten.ones_like", "aten.full", "aten.full_like", "aten.fill_", "aten.zero_", "aten.copy_", "aten.clone",
     "aten.contiguous", "aten._to_copy", "aten.to", "aten.detach", "aten.alias", "aten.lift_fresh",
@@ -58,9 +59,10 @@ _NON_COMPUTE = {
     "aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind", "aten.narrow", "aten.resize_",
     "aten.set_", "aten.is_same_size", "aten.sym_size", "aten.sym_stride", "aten.sym_numel",
     "aten.sym_storage_offset", "aten.size", "aten.stride", "aten.numel", "aten._local_scalar_dense",
-}  # fmt: skip
+})  # fmt: skip
 _GUARD_BYTES = 4096
 _KEEP_ALIVE: list[Any] = []
+_perf_counter = time.perf_counter  # bound before any candidate runs: patching time cannot fake the timing
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -236,7 +238,17 @@ def _seed_all(seed: int) -> None:
         np.random.seed(seed % 2**32)
 
 
-_WATCHED = ("torch", "torch.nn", "torch.nn.functional", "torch.linalg", "torch.fft", "torch.special")
+_WATCHED = (
+    "torch",
+    "torch.nn",
+    "torch.nn.functional",
+    "torch.linalg",
+    "torch.fft",
+    "torch.special",
+    "time",
+    __name__,
+    "steptune.kernels.problems",
+)  # this module's own checks and clock, too
 
 
 class _Namespaces:
@@ -255,7 +267,9 @@ class _Namespaces:
                 now = space.get(name, _MISSING)
                 # torch rebinds some names itself (torch.compile's dynamo wraps Module.__init__ and
                 # manual_seed): a new binding from torch's own modules is not the candidate's patch
-                if id(now) != ident and not str(getattr(now, "__module__", "")).startswith("torch"):
+                if id(now) != ident and not (
+                    where.startswith("torch") and str(getattr(now, "__module__", "")).startswith("torch")
+                ):
                     raise _Verdict(
                         "rejected",
                         f"{when} rebinds {where}.{name}, which the reference and the timing use too: a "
@@ -264,6 +278,73 @@ class _Namespaces:
 
 
 _MISSING = object()
+
+# torch.nn.Module's global hook registries: a hook there runs inside the reference too (and in its timing)
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called", "_global_backward_pre_hooks", "_global_backward_hooks",
+    "_global_buffer_registration_hooks", "_global_module_registration_hooks",
+    "_global_parameter_registration_hooks",
+)  # fmt: skip
+
+
+def _torch_state() -> dict[str, Any]:
+    """Process-wide torch settings that change what the reference computes or how fast it runs."""
+    import torch.nn.modules.module as module_mod
+
+    state: dict[str, Any] = {
+        "the default dtype": torch.get_default_dtype(),
+        "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "the intra-op thread count": torch.get_num_threads(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "the fp32 matmul precision": torch.get_float32_matmul_precision(),
+        "mkldnn": torch.backends.mkldnn.enabled,
+        "the default device": str(torch.get_default_device()),
+        "the torch-function mode stack": torch._C._len_torch_function_stack(),
+        "the dispatch mode stack": torch._C._len_torch_dispatch_stack(),
+    }
+    if torch.cuda.is_available():
+        state |= {
+            "cudnn": (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark,
+                      torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32),
+            "TF32 matmuls": torch.backends.cuda.matmul.allow_tf32,
+        }  # fmt: skip
+    for name in _GLOBAL_HOOKS:
+        hooks = getattr(module_mod, name, None)
+        if hooks is not None:
+            state[f"torch.nn.modules.module.{name}"] = tuple(hooks)
+    return state
+
+
+def _check_state(before: dict[str, Any], when: str) -> None:
+    """Reject a candidate that changed a process-wide torch setting: the reference and its timing run
+    under it too (a global module hook slowed the reference 7x; a lower default dtype widened the
+    tolerance of a float output)."""
+    now = _torch_state()
+    changed = [k for k in before if now.get(k, _MISSING) != before[k]]
+    if changed:
+        k = changed[0]
+        raise _Verdict(
+            "rejected",
+            f"{when} changed {k} ({before[k]!r} -> {now.get(k)!r}), which the reference and the timing "
+            "run under too: a kernel must leave torch's global settings as it found them (use a context "
+            "manager)",
+        )
+
+
+def _check_types(out_c: Any, out_r: Any) -> None:
+    """Each tensor output must be a plain ``torch.Tensor`` (or the reference's own type): a subclass's
+    ``__torch_function__`` runs inside the evaluator's own checks (one answered ``allclose`` with True)."""
+    outs_r = _outputs(out_r)
+    for k, c in enumerate(_outputs(out_c)):
+        r = outs_r[k] if k < len(outs_r) else None
+        if isinstance(c, torch.Tensor) and type(c) is not torch.Tensor and type(c) is not type(r):
+            raise _Verdict(
+                "rejected",
+                f"output {k} is a {type(c).__qualname__}, a tensor subclass: return a plain torch.Tensor "
+                "(a subclass can change how the evaluator's own comparisons behave)",
+            )
 
 
 @dataclass
@@ -336,7 +417,8 @@ def _build(
     # The thread baseline is taken before the candidate is imported: a library constructor that starts a
     # thread at load time must not hide in it.
     baseline = (threading.active_count(), len(os.listdir("/proc/self/task")))
-    t0 = time.perf_counter()
+    state = _torch_state()
+    t0 = _perf_counter()
     try:
         cand = import_source(candidate, workdir / "candidate.py", "steptune_candidate")
     except MemoryError:
@@ -347,9 +429,10 @@ def _build(
         log = getattr(exc, "log", "")
         kind = "the C compiler failed" if log else f"importing the candidate raised {type(exc).__name__}"
         raise _Verdict("compile_error", f"{kind}: {str(exc)[-1500:]}") from exc
-    compile_s = time.perf_counter() - t0
+    compile_s = _perf_counter() - t0
     fp_mode.check_and_restore("importing the candidate")
     prep.namespaces.check("importing the candidate")
+    _check_state(state, "importing the candidate")
     if not hasattr(cand, "ModelNew"):
         raise _Verdict("compile_error", "the candidate defines no ModelNew class")
     _seed_all(int(problem.get("seed", 0)))  # the same parameters as the reference (which numpy may draw)
@@ -360,6 +443,7 @@ def _build(
     except Exception as exc:
         raise _Verdict("crashed", f"ModelNew(...) raised {type(exc).__name__}: {exc}") from exc
     prep.namespaces.check("ModelNew(...)")
+    _check_state(state, "ModelNew(...)")
     return new, compile_s, baseline
 
 
@@ -416,10 +500,13 @@ def _validate(
                 else:
                     cand_in.append(_clone(x))
             rec = _OpRecorder()
+            state = _torch_state()
             with rec:
                 out_c = _call(new, cand_in, "the candidate")
             fp_mode.check_and_restore("the candidate")
             prep.namespaces.check("the candidate")
+            _check_state(state, "the candidate")
+            _check_types(out_c, out_r)
             if device == "cuda":
                 torch.cuda.synchronize()
             for i, buf in guards:
@@ -475,6 +562,7 @@ def _compare(out_c: Any, out_r: Any, problem: dict[str, Any], where: str) -> flo
             f"reference returns {what[isinstance(out_r, tuple | list)]} ({type(out_r).__name__}): "
             "a drop-in replacement must return the same structure",
         )
+    _check_types(out_c, out_r)
     outs_c, outs_r = _outputs(out_c), _outputs(out_r)
     if len(outs_c) != len(outs_r):
         raise _Verdict("incorrect", f"returned {len(outs_c)} outputs, the reference {len(outs_r)}")
@@ -577,12 +665,12 @@ def _check_reference_stable(problem: dict[str, Any], first: Any, second: Any) ->
 def _time_cpu(fn: Callable[[], Any], n: int, keep: int = -1) -> tuple[float, Any]:
     """Seconds per call over ``n`` calls, and the output of call ``keep`` (checked after the timing)."""
     kept = None
-    t0 = time.perf_counter()
+    t0 = _perf_counter()
     for i in range(n):
         out = fn()
         if i == keep:
             kept = out
-    return (time.perf_counter() - t0) / n, kept
+    return (_perf_counter() - t0) / n, kept
 
 
 def _time_cuda(fn: Callable[[], Any], n: int, flush: torch.Tensor, keep: int = -1) -> tuple[float, Any]:
@@ -616,9 +704,10 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
 
     with torch.no_grad():
         flush = torch.empty(64 * 2**20, dtype=torch.int32, device=device) if device == "cuda" else None
-        t_warm = time.perf_counter()
+        state = _torch_state()
+        t_warm = _perf_counter()
         n_warm = 0
-        while time.perf_counter() - t_warm < float(job.get("warmup_s", 0.05)) or n_warm < 3:
+        while _perf_counter() - t_warm < float(job.get("warmup_s", 0.05)) or n_warm < 3:
             f_ref()
             f_new()
             n_warm += 1
@@ -642,6 +731,9 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
                 kept = out if name == "new" else kept
             # A kernel right on the validation trials but not on the timed calls (a call counter,
             # a cached result) would be timed doing other work than the reference's
+            # checked after every round: a setting the candidate changes (grad mode, threads) and puts back
+            # only at the end would have slowed the reference in between
+            _check_state(state, f"the candidate, while it was timed (round {r}),")
             _compare(kept, out_r, job["problem"], f"a timed call (round {r}, call {keep})")
             t_ref.append(got["ref"])
             t_new.append(got["new"])
@@ -677,7 +769,7 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
     # Triton on CPU tensors runs under its interpreter (the pool sets TRITON_INTERPRET for CPU workers):
     # results are real, times are not.
     torch.set_num_threads(int(job.get("threads", 1)))
-    t0 = time.perf_counter()
+    t0 = _perf_counter()
     out: dict[str, Any] = {"kind": job["kind"]}
     try:
         fp_mode = _FPMode()
@@ -701,5 +793,5 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
         out.update(verdict="resource_limit", reason="the candidate exceeded the memory limit (MemoryError)")
     except RecursionError:
         out.update(verdict="crashed", reason="the candidate recursed too deeply")
-    out["run_s"] = time.perf_counter() - t0
+    out["run_s"] = _perf_counter() - t0
     return out

@@ -245,3 +245,58 @@ def test_kernels_of_views_sorted_and_strided_inputs_profile_as_correct(pools, fo
     checked, _ = pools
     res = checked.submit(_problem("p", forward, inputs), _candidate(candidate), kind="profile").result(120)
     assert res.verdict == "correct", res
+
+
+LIAR = (
+    "class Liar(torch.Tensor):\n"
+    "    @classmethod\n"
+    "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+    "        if func is torch.allclose:\n            return True\n"
+    "        return super().__torch_function__(func, types, args, kwargs or {})\n"
+)
+HOOK = (
+    "def _slow(m, i, o):\n    for _ in range(3):\n        torch.softmax(i[0], -1)\n"
+    "torch.nn.modules.module.register_module_forward_hook(_slow)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("prelude", "forward", "kind", "static", "runtime"),
+    [
+        # a subclass answering allclose with True: zeros judged "correct, 6.66x"
+        (LIAR, "return torch.zeros_like(a[0]).as_subclass(Liar)", "validate",
+         "defines __torch_function__", "tensor subclass"),
+        # a plain subclass passes the static checks; its type alone is refused
+        ("class Plain(torch.Tensor):\n    pass\n", f"{HAND_SOFTMAX}\n        ".replace("return ", "out = ")
+         + "return out.as_subclass(Plain)", "validate", None, "a Plain, a tensor subclass"),
+        # the evaluator's own op list, widened from the candidate: the reference's op then "did not count"
+        ("from steptune.kernels.evaluate import _NON_COMPUTE\n_NON_COMPUTE.add('aten._softmax')\n",
+         "return torch.softmax(a[0], -1)", "validate", "imports steptune",
+         "'frozenset' object has no attribute 'add'"),
+        # ... or its comparison switched off: zeros judged correct
+        ("import steptune.kernels.evaluate as ev\nev._compare = lambda *a, **k: 0.0\n",
+         "return torch.zeros_like(a[0])", "validate", "imports steptune",
+         "rebinds steptune.kernels.evaluate._compare"),
+        # a clock that hides 90% of the candidate's time: "correct 3.03x" for a 0.4x kernel
+        ("import time\n_real = time.perf_counter\ntime.__setattr__('perf_counter', lambda: _real() * 0.1)\n",
+         HAND_SOFTMAX, "profile", "uses the attribute __setattr__", "rebinds time.perf_counter"),
+        # a global module hook that reruns softmax three times inside the reference: 2.02x for a 0.42x kernel
+        (HOOK, HAND_SOFTMAX, "profile", None, "torch.nn.modules.module._global_forward_hooks"),
+        # a lower default dtype widened a float output's tolerance; grad mode left on slowed the reference
+        ("torch.set_default_dtype(torch.float64)\n", HAND_SOFTMAX, "validate", None, "the default dtype"),
+        ("", f"torch.set_grad_enabled(True)\n        {HAND_SOFTMAX}", "profile", None,
+         "grad mode (False -> True)"),
+    ],
+    ids=["subclass-liar", "plain-subclass", "evaluator-set", "evaluator-patch", "clock-patch", "global-hook",
+         "default-dtype", "grad-mode"],
+)  # fmt: skip
+def test_candidates_that_change_the_evaluator_or_torch_globals_are_rejected(
+    pools, prelude, forward, kind, static, runtime
+):
+    # A user sweep (session 46): each was judged correct (and most faster than they are) before
+    checked, bare = pools
+    source = _candidate(forward, prelude=prelude)
+    verdict, reason = _verdict(checked, SOFTMAX, source, kind)
+    assert verdict == "rejected" and (static or runtime) in reason, reason
+    verdict, reason = _verdict(bare, SOFTMAX, source, kind)  # past the static checks, the run time's
+    assert verdict != "correct" and runtime in reason, reason
