@@ -84,7 +84,14 @@ class OpCounter(TorchDispatchMode):
 def apply_policy(model: nn.Module, policy: str, blocks: Any = None, plan: Any = None) -> Iterator[Any]:
     """Apply one of :data:`POLICIES`, an anchor of :mod:`steptune.memory.anchors` (``plan``: the
     context of a ``torch_auto_sac@...`` anchor), or
-    ``tapesac_plan@...`` (with ``plan``) to ``model``'s blocks for the duration of the context."""
+    ``tapesac_plan@...`` (with ``plan``) to ``model``'s blocks for the duration of the context. A model
+    that already has TapeSAC applied is refused: every policy would measure TapeSAC (``no_ac`` gave the
+    replay-only peak, which put every calibrated fraction at the floor)."""
+    if getattr(model, "_tapesac", None) is not None:
+        raise ValueError(
+            f"TapeSAC is already applied to this model, so policy {policy!r} would measure TapeSAC: call "
+            ".remove() on its handle first (measure applies each policy itself)"
+        )
     if policy == "no_ac":
         yield None
         return
