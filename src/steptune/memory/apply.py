@@ -10,6 +10,8 @@ on the first unpack in backward. Without grad mode the block runs untouched.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 import fnmatch
 import functools
 import warnings
@@ -238,7 +240,12 @@ def apply_tapesac_(
         raise TypeError(
             f"TapeSACConfig(plan=...) takes a SavePlan, got a {type(config.plan).__name__}: {hint}"
         )
-    state = TapeSAC(weakref.ref(model), config, find_blocks(model, config.blocks))
+    blocks = find_blocks(model, config.blocks)
+    if config.plan is not None:
+        checked = _checked_plan(config.plan, [name for name, _ in blocks])
+        if checked is not config.plan:
+            config = dataclasses.replace(config, plan=checked)
+    state = TapeSAC(weakref.ref(model), config, blocks)
     if templates is not None:
         state.templates = templates
     _save_fn(config)  # checks save_ops before anything is wrapped
@@ -283,6 +290,52 @@ def apply_tapesac_(
 
 
 _HF_DISABLE = "activation_checkpointing_disable() (gradient_checkpointing_disable() before transformers 5)"
+
+
+def _checked_plan(plan: SavePlan, names: list[str]) -> SavePlan:
+    """``plan`` checked against the wrapped blocks' names: a dict of block FQN or signature to pack indices
+    (non-negative ints; a list, tuple or set of them is taken as a frozenset). Unchecked, a misspelled name
+    or a negative index was ignored silently and a list value failed deep in the first forward."""
+    saves = plan.saves
+    if not isinstance(saves, dict):
+        raise TypeError(
+            f"SavePlan.saves must be a dict of block FQN (or block signature) to pack indices, got a "
+            f"{type(saves).__name__}: build it with plan_saves(...).save_plan(profiles), or write "
+            "SavePlan({'model.layers.0': frozenset({0, 3})})"
+        )
+    out: dict[Any, frozenset[int]] = {}
+    for key, indices in saves.items():
+        where = f"SavePlan entry {key!r}" if isinstance(key, str) else "a SavePlan signature entry"
+        if not isinstance(key, str | tuple):
+            raise TypeError(
+                f"SavePlan key {key!r} ({type(key).__name__}): keys are block FQNs such as "
+                f"{names[0]!r} or the block signatures profile_model returns"
+            )
+        if isinstance(key, str) and key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+            raise ValueError(
+                f"{where} names no block TapeSAC wraps ({shown}): {hint}a plan made for another model "
+                "(or another blocks= pattern) does not fit this one; profile and plan this model"
+            )
+        if isinstance(indices, str | bytes) or not isinstance(
+            indices, frozenset | set | list | tuple | range
+        ):
+            raise TypeError(
+                f"{where} must be a collection of pack indices such as frozenset({{0, 3}}), got "
+                f"{type(indices).__name__} {indices!r}"
+            )
+        bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+        if bad:
+            raise ValueError(
+                f"{where} holds {bad[0]!r}: pack indices are non-negative ints (positions in autograd's "
+                "pack order, as MemoryPlan.save_plan writes them)"
+            )
+        out[key] = indices if isinstance(indices, frozenset) else frozenset(indices)
+    if all(out[k] is saves[k] for k in out):
+        return plan
+    return SavePlan(out)
 
 
 def _wrapping(
@@ -506,6 +559,12 @@ def _run_block(
         state.warned_inner = True
         warnings.warn(_inner_hooks_message(name, recorder), stacklevel=3)
     tape = recorder.tape()
+    if keep and max(keep) >= len(tape.packs):
+        raise ValueError(
+            f"TapeSAC block {name!r}: its SavePlan entry keeps pack index {max(keep)}, but the block packs "
+            f"{len(tape.packs)} values (indices 0 to {len(tape.packs) - 1}): the plan was made for another "
+            "model or block; profile and plan this one"
+        )
     _mark_readers_of_written_externals(tape)
     stats.recorded += 1
     stats.record_s += recorder.seconds

@@ -1,8 +1,6 @@
 """Checks found missing by a user sweep: measuring a model TapeSAC already wraps, SavePlan contents,
 limit values, the unplanned-signature warning, and options that void a plan's limit."""
 
-import warnings
-
 import pytest
 import torch
 
@@ -51,3 +49,38 @@ def test_measuring_a_model_tapesac_already_wraps_is_refused():
             measure_peak(model, batch, policy, blocks="blocks.*")
     handle.remove()
     assert measure_peak(model, batch, "no_ac", blocks="blocks.*")[0] > 0
+
+
+def _step(model, batch, plan):
+    handle = apply_tapesac_(model, TapeSACConfig(blocks="blocks.*", plan=plan))
+    try:
+        model(**batch).backward()
+    finally:
+        handle.remove()
+    return handle
+
+
+def test_a_save_plan_is_checked_when_applied():
+    # a sweep: a misspelled name and negative or out-of-range indices were ignored silently; a list value,
+    # None, a list of saves or string indices failed deep in the first forward with a raw TypeError
+    from steptune.memory.apply import SavePlan
+
+    model, batch = _net()
+    cases = [
+        (SavePlan({"block.0": frozenset({0})}), ValueError, r"names no block.*did you mean 'blocks\.0'"),
+        (SavePlan({"blocks.0": frozenset({-1})}), ValueError, "non-negative ints"),
+        (SavePlan({"blocks.0": frozenset({"0"})}), ValueError, "non-negative ints"),
+        (SavePlan({"blocks.0": None}), TypeError, r"collection of pack indices"),
+        (SavePlan(None), TypeError, "must be a dict"),
+        (SavePlan([1, 2]), TypeError, "must be a dict"),
+        (SavePlan({3: frozenset()}), TypeError, "keys are block FQNs"),
+    ]
+    for plan, error, message in cases:
+        with pytest.raises(error, match=message):
+            apply_tapesac_(model, TapeSACConfig(blocks="blocks.*", plan=plan))
+        assert getattr(model, "_tapesac", None) is None  # refused before anything was wrapped
+    with pytest.raises(ValueError, match=r"keeps pack index 999, but the block packs \d+ values"):
+        _step(model, batch, SavePlan({"blocks.0": frozenset({999})}))
+    handle = _step(model, batch, SavePlan({"blocks.0": [0, 1]}))  # a list is taken as a frozenset
+    assert handle.config.plan.saves == {"blocks.0": frozenset({0, 1})}
+    _step(model, batch, SavePlan({}))
