@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,24 +55,9 @@ def _warn_if_long(model: Any, batch: dict[str, Any]) -> None:
 
 def _parse_limit(text: str) -> float:
     """Bytes (with a unit, or a whole number >= 1024) or a fraction in (0, 1]; ValueError otherwise."""
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
-    upper = text.strip().upper()
-    unit = next((u for u in units if upper.endswith(u)), None)
-    try:
-        value = float(upper[: -len(unit)] if unit else upper) * (units[unit] if unit else 1.0)
-    except ValueError:
-        raise ValueError(
-            f"--limit {text!r}: write bytes (300MiB, 2GiB, 123456789) or a fraction in (0, 1]"
-        ) from None
-    if not 0 < value < math.inf:
-        raise ValueError(
-            f"--limit must be positive and finite (bytes, e.g. 300MiB, or a fraction in (0, 1]); got {text}"
-        )
-    if unit is None and 1 < value < 1024:
-        raise ValueError(
-            f"--limit {text}: a fraction must lie in (0, 1]; for bytes give a unit (e.g. 300MiB)"
-        )
-    return value
+    from steptune.memory.plan import parse_limit
+
+    return parse_limit(text)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -25,6 +25,8 @@ checkpointing on a two-layer model, found by the bench).
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ __all__ = [
     "BlockPlan",
     "MemoryPlan",
     "PeakModel",
+    "limit_bytes",
+    "parse_limit",
     "plan_saves",
     "plan_within",
     "replay_cost",
@@ -225,6 +229,59 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def parse_limit(text: str, what: str = "--limit") -> float:
+    """Bytes (with a unit, or a whole number >= 1024) or a fraction in (0, 1]; ValueError otherwise."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+    upper = text.strip().upper()
+    unit = next((u for u in units if upper.endswith(u)), None)
+    try:
+        value = float(upper[: -len(unit)] if unit else upper) * (units[unit] if unit else 1.0)
+    except ValueError:
+        raise ValueError(
+            f"{what} {text!r}: write bytes (300MiB, 2GiB, 123456789) or a fraction in (0, 1]"
+        ) from None
+    if not 0 < value < math.inf:
+        raise ValueError(
+            f"{what} must be positive and finite (bytes, e.g. 300MiB, or a fraction in (0, 1]); got {text}"
+        )
+    if unit is None and 1 < value < 1024:
+        raise ValueError(f"{what} {text}: a fraction must lie in (0, 1]; for bytes give a unit (e.g. 300MiB)")
+    return value
+
+
+def limit_bytes(limit: Any, what: str = "limit") -> int:
+    """A step-peak limit given to the Python API, as whole bytes: an int, a finite float, a numpy or torch
+    scalar, or a string with a unit (``"300MiB"``, checked as the CLI's ``--limit``). The CLI's fraction
+    form (0.5: half way from replay-only to no checkpointing) needs measured peaks, so here it is refused
+    with the sum to write; so are NaN, infinities, zero, negatives and booleans (a sweep: ``0.5`` gave "no
+    plan fits a peak limit of 0 B", ``"8MiB"`` a TypeError, a numpy scalar was stored as the plan's limit)."""
+    if isinstance(limit, str):
+        value = parse_limit(limit, what)
+        if value <= 1.0:
+            raise ValueError(
+                f"{what}={limit!r}: the fraction form is the CLI's (--limit 0.5); the Python API takes "
+                f"bytes: measure the replay-only and no_ac peaks and pass "
+                f"int(floor + {value} * (top - floor))"
+            )
+        return int(value)
+    if getattr(limit, "ndim", None) == 0 and hasattr(limit, "item"):
+        limit = limit.item()  # a numpy or torch scalar
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real):
+        raise TypeError(
+            f"{what} must be a number of bytes (an int such as 300 * 2**20, or '300MiB'), got "
+            f"{type(limit).__name__} {limit!r}"
+        )
+    if not 0 < limit < math.inf:
+        raise ValueError(f"{what} must be a positive, finite number of bytes; got {limit!r}")
+    if limit <= 1:
+        raise ValueError(
+            f"{what}={limit!r} B: the Python API takes bytes; a fraction of the way from replay-only to no "
+            "checkpointing is the CLI's form (--limit 0.5): pass int(floor + fraction * (top - floor)) with "
+            "the measured replay-only and no_ac peaks"
+        )
+    return int(limit)
+
+
 def plan_saves(
     profiles: dict[Any, BlockProfile],
     peak: PeakModel,
@@ -234,7 +291,8 @@ def plan_saves(
     time_limit_s: float = 10.0,
     last_block_free: bool = True,
 ) -> MemoryPlan:
-    """The fastest plan whose predicted peak is at most ``limit`` bytes."""
+    """The fastest plan whose predicted peak is at most ``limit`` bytes (see :func:`limit_bytes`)."""
+    limit = limit_bytes(limit)
     start = time.perf_counter()
     floor = peak.predict(profiles, {})
     can_free = (
@@ -273,6 +331,7 @@ def plan_within(
     replay-only steps, and where keeping a value does not shrink the replay working set as predicted (a
     3-block MLP with a host sync and dropout: 4.5-6.9% over, found in a 2026-12-05 sweep) a plan can exceed
     its limit. Raises ``ValueError`` when even replaying everything measures over ``limit``."""
+    limit = limit_bytes(limit)
     budget, cut, notes = limit, 0, []
     for _ in range(tries):
         try:
@@ -318,6 +377,7 @@ def plan_within(
 
 def replay_only_plan(profiles: dict[Any, BlockProfile], peak: PeakModel, limit: int) -> MemoryPlan:
     """The plan that keeps nothing: every block replays all it needs (``limit`` is only recorded)."""
+    limit = limit_bytes(limit)
     blocks, total = {}, 0.0
     for key, profile in profiles.items():
         order, cost = replay_cost(profile, frozenset())

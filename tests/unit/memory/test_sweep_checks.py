@@ -84,3 +84,38 @@ def test_a_save_plan_is_checked_when_applied():
     handle = _step(model, batch, SavePlan({"blocks.0": [0, 1]}))  # a list is taken as a frozenset
     assert handle.config.plan.saves == {"blocks.0": frozenset({0, 1})}
     _step(model, batch, SavePlan({}))
+
+
+def test_the_python_api_checks_limits_as_the_cli_does():
+    # a sweep: "8MiB" gave a TypeError deep in plan_saves, nan and inf raw errors, 0.5 (the CLI's fraction
+    # form) "no plan fits a peak limit of 0 B", and a numpy scalar was stored as the plan's limit
+    import math
+
+    import numpy as np
+
+    from steptune.memory.cli import _parse_limit
+    from steptune.memory.plan import limit_bytes, plan_saves, plan_within
+
+    assert limit_bytes("8MiB") == 8 * 2**20 and limit_bytes(123456.7) == 123456
+    for value in (np.int64(5000), torch.tensor(5000), np.float32(5000.0)):
+        got = limit_bytes(value)
+        assert got == 5000 and type(got) is int
+    for value, error, message in [
+        (0.5, ValueError, "the CLI's form"),
+        ("0.5", ValueError, "the fraction form is the CLI's"),
+        (math.nan, ValueError, "positive, finite"),
+        (math.inf, ValueError, "positive, finite"),
+        (-5, ValueError, "positive, finite"),
+        (True, TypeError, "number of bytes"),
+        (None, TypeError, "number of bytes"),
+        ("lots", ValueError, "write bytes"),
+    ]:
+        with pytest.raises(error, match=message):
+            limit_bytes(value)
+        with pytest.raises(error, match=message):
+            plan_saves({}, None, value)
+        with pytest.raises(error, match=message):
+            plan_within({}, None, value, lambda plan: 0)
+    assert _parse_limit("0.5") == 0.5 and _parse_limit("1KiB") == 1024
+    with pytest.raises(ValueError, match="--limit"):
+        _parse_limit("nan")
