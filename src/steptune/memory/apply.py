@@ -32,6 +32,7 @@ from steptune.memory.reuse import (
     run_reused,
     seed_casts,
     signature,
+    signature_difference,
     template_from,
     unkeyable_argument,
 )
@@ -513,10 +514,11 @@ def _run_block(
         and any(not isinstance(k, str) for k in plan.saves)  # planned per signature, and not this one
     ):
         state.warned_unplanned = True
+        why = signature_difference(key, list(plan.saves), args, kwargs) or "a call the plan never saw"
         warnings.warn(
-            f"TapeSAC block {name!r} runs with inputs its SavePlan has no entry for (a new batch or sequence "
-            "shape?): it replays everything (replay-only) under the plan's limit's assumptions. Profile and "
-            "plan at each shape you train with, or key the plan by block name",
+            f"TapeSAC block {name!r} runs with inputs its SavePlan has no entry for ({why}): it replays "
+            "everything (replay-only, slower than planned). Profile and plan the way you train (mode, "
+            "autocast, arguments, shapes), or key the plan by block name",
             stacklevel=3,
         )
     # the save policy is part of a template's identity: a tape recorded under another policy (an earlier

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,15 @@ def profile_model(
         recorder.kept_outputs.clear()
 
     handle = apply_tapesac_(model, TapeSACConfig(blocks=blocks, reuse_tapes=False))
+    in_eval = [name for name, block in handle.blocks if not block.training]
+    if in_eval:  # HF's from_pretrained returns a model in eval mode (found in a sweep)
+        warnings.warn(
+            f"profile_model: block(s) {in_eval[:3]}{' ...' if len(in_eval) > 3 else ''} are in eval mode: "
+            "the training flag is part of a block's signature, so a plan made from these profiles has no "
+            "entry for a training step (each block then replays everything). Call model.train() before "
+            "profiling",
+            stacklevel=2,
+        )
     handle.on_record = on_record
     handle.keep_outputs = True
     with grads_kept(model), _removed(handle):

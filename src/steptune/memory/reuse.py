@@ -13,6 +13,7 @@ stale tape. The template holds no tensor.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from steptune.memory.frame import Frame, pack_hook, unpack_hook
 from steptune.memory.replay import ReplayPlan
@@ -34,6 +35,7 @@ __all__ = [
     "same_tape",
     "seed_casts",
     "signature",
+    "signature_difference",
     "template_from",
     "unkeyable_argument",
 ]
@@ -173,6 +175,75 @@ def signature(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     )
     autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
     return (type(block), str(spec), tuple(leaves), params, block.training, autocast)
+
+
+def signature_difference(
+    key: Any, planned: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    """What sets signature ``key`` (of a call with ``args`` and ``kwargs``) apart from the nearest of
+    ``planned`` (signatures a save plan has entries for), in words; None when none is of the block's class.
+    Found in a sweep: the one guess offered ("a new batch or sequence shape?") was wrong for a plan made in
+    eval mode, an added attention mask and an input of other strides."""
+    if key is None:
+        return None
+    same_class = [k for k in planned if isinstance(k, tuple) and len(k) == len(key) and k[0] is key[0]]
+    if not same_class:
+        return None
+    near = min(same_class, key=lambda k: sum(a != b for a, b in zip(k, key, strict=True)))
+    paths = [_argument_name(keystr(path)) for path, _ in tree_flatten_with_path((args, kwargs))[0]]
+    said: list[str] = []
+    _, spec, leaves, params, training, autocast = key
+    _, p_spec, p_leaves, p_params, p_training, p_autocast = near
+    if training != p_training:
+        said.append(
+            f"the block is in {'training' if training else 'eval'} mode and the plan was made in "
+            f"{'training' if p_training else 'eval'} mode (profile after model.train())"
+        )
+    if autocast != p_autocast:
+        on = [f"{d} {str(t).removeprefix('torch.')}" for d, e, t in autocast if e] or ["off"]
+        p_on = [f"{d} {str(t).removeprefix('torch.')}" for d, e, t in p_autocast if e] or ["off"]
+        said.append(f"autocast is {', '.join(on)} and was {', '.join(p_on)} when the plan was made")
+    if spec != p_spec or len(leaves) != len(p_leaves):
+        names, p_names = set(re.findall(r"'([^']*)'", spec)), set(re.findall(r"'([^']*)'", p_spec))
+        new, gone = sorted(names - p_names), sorted(p_names - names)
+        parts = ([f"new {', '.join(new)}"] if new else []) + ([f"no {', '.join(gone)}"] if gone else [])
+        said.append(
+            "its call passes other arguments than the plan's"
+            + (f" ({'; '.join(parts)})" if parts else f" ({len(leaves)} values, the plan's {len(p_leaves)})")
+        )
+    else:
+        for i, (a, b) in enumerate(zip(leaves, p_leaves, strict=True)):
+            if a != b:
+                said.append(f"argument {paths[i] if i < len(paths) else i} {_leaf_difference(a, b)}")
+                break
+    if params != p_params:
+        said.append("its parameters' shapes, strides, dtypes or devices differ from the planned block's")
+    return "; ".join(said) or None
+
+
+def _argument_name(path: str) -> str:
+    """``"[1]['attention_mask']"`` -> ``attention_mask``; ``"[0][2]"`` -> ``args[2]``."""
+    if path.startswith("[1]['"):
+        name, _, rest = path[5:].partition("']")
+        return name + rest
+    return "args" + path[3:] if path.startswith("[0]") else path
+
+
+def _leaf_difference(a: Any, b: Any) -> str:
+    tensor_a, tensor_b = isinstance(a, tuple) and len(a) == 7, isinstance(b, tuple) and len(b) == 7
+    if tensor_a and tensor_b:
+        for i, what in enumerate(("shape", "strides", "storage offset", "dtype", "device", "requires_grad")):
+            if a[i] != b[i]:
+                hint = " (a new batch or sequence shape?)" if what == "shape" else ""
+                return f"has {what} {a[i]} where the plan's has {b[i]}{hint}"
+        return "aliases another argument than in the plan's call"
+    if tensor_a != tensor_b:
+        shown = {True: "a tensor", False: "{!r}"}
+        return (
+            f"is {shown[tensor_a].format(a)} where the plan's call passed {shown[tensor_b].format(b)} "
+            "(an attention mask given or left out?)"
+        )
+    return f"is {a!r} where the plan's call passed {b!r}"
 
 
 def unkeyable_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

@@ -1,6 +1,8 @@
 """Checks found missing by a user sweep: measuring a model TapeSAC already wraps, SavePlan contents,
 limit values, the unplanned-signature warning, and options that void a plan's limit."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -30,7 +32,7 @@ class _Net(torch.nn.Module):
 
     def forward(self, x, mask=None):
         for block in self.blocks:
-            x = block(x, mask) if mask is not None else block(x)
+            x = block(x, mask=mask)
         return x.pow(2).mean()
 
 
@@ -119,3 +121,38 @@ def test_the_python_api_checks_limits_as_the_cli_does():
     assert _parse_limit("0.5") == 0.5 and _parse_limit("1KiB") == 1024
     with pytest.raises(ValueError, match="--limit"):
         _parse_limit("nan")
+
+
+def test_a_call_the_plan_has_no_entry_for_is_told_apart_from_the_plans_signature():
+    # a sweep: the warning guessed "a new batch or sequence shape?" for a plan made in eval mode, a batch
+    # with an attention mask added, and a compiled call (other strides); it now names what differs
+    from steptune.memory.apply import SavePlan
+    from steptune.memory.profile import profile_model
+
+    model, batch = _net()
+    model.eval()
+    with pytest.warns(
+        UserWarning, match=r"profile_model: block\(s\) \['blocks.0', 'blocks.1'\] are in eval mode"
+    ):
+        eval_plan = SavePlan({k: frozenset() for k in profile_model(model, batch, blocks="blocks.*")})
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # profiled in training mode: quiet
+        plan = SavePlan({k: frozenset() for k in profile_model(model, batch, blocks="blocks.*")})
+    cases = [
+        (eval_plan, batch, "the block is in training mode and the plan was made in eval mode"),
+        (
+            plan,
+            {"x": torch.randn(4, 9, 16)},
+            r"argument args\[0\] has shape \(4, 9, 16\) where the plan's has",
+        ),
+        (plan, {"x": batch["x"].transpose(0, 1).contiguous().transpose(0, 1)}, "args\\[0\\] has strides"),
+        (
+            plan,
+            dict(batch, mask=torch.ones(4, 8, 16)),
+            "argument mask is a tensor where the plan's call passed None",
+        ),
+    ]
+    for save_plan, inputs, message in cases:
+        with pytest.warns(UserWarning, match=message):
+            _step(model, inputs, save_plan)
