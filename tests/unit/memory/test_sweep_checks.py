@@ -156,3 +156,17 @@ def test_a_call_the_plan_has_no_entry_for_is_told_apart_from_the_plans_signature
     for save_plan, inputs, message in cases:
         with pytest.warns(UserWarning, match=message):
             _step(model, inputs, save_plan)
+
+
+def test_save_ops_or_save_fn_with_a_plan_warn_that_its_limit_no_longer_holds():
+    # a sweep: a plan for 7.97 MB measured 9.5 MB with save_ops={"aten.mm"} added, silently
+    from steptune.memory.apply import SavePlan
+
+    model, _ = _net()
+    for extra in ({"save_ops": {"aten.mm"}}, {"save_fn": lambda node: True}):
+        with pytest.warns(UserWarning, match="the plan's step-peak limit no longer holds"):
+            handle = apply_tapesac_(model, TapeSACConfig(blocks="blocks.*", plan=SavePlan({}), **extra))
+        handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_tapesac_(model, TapeSACConfig(blocks="blocks.*", save_ops={"aten.mm"})).remove()
