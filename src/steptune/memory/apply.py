@@ -47,6 +47,11 @@ class SavePlan:
     a block's FQN as key overrides its signature's entry for that block."""
 
     saves: dict[Any, frozenset[int]]
+    limit: int | None = None
+    """The step-peak limit (bytes) the plan was made for; None when unknown (a hand-made plan)."""
+    num_blocks: int | None = None
+    """How many blocks the profiled model had; applying to another count warns (the limit no longer
+    holds). None when unknown."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -254,6 +259,16 @@ def apply_tapesac_(
                 f"{chosen} out to keep the limit, or the plan out to save by op alone",
                 stacklevel=2,
             )
+        planned = getattr(config.plan, "num_blocks", None)  # a plan pickled before it had the field
+        if planned is not None and planned != len(blocks):  # a sweep: 3 layers' plan on 4, over its limit
+            limit = getattr(config.plan, "limit", None)
+            warnings.warn(
+                f"TapeSACConfig(plan=...): the plan was made for a model with {planned} blocks and this one "
+                f"has {len(blocks)}: each block of a signature keeps what the plan keeps, so its step-peak "
+                f"limit{f' ({limit} bytes)' if limit is not None else ''} no longer holds. Profile and plan "
+                "this model",
+                stacklevel=2,
+            )
     state = TapeSAC(weakref.ref(model), config, blocks)
     if templates is not None:
         state.templates = templates
@@ -344,7 +359,8 @@ def _checked_plan(plan: SavePlan, names: list[str]) -> SavePlan:
         out[key] = indices if isinstance(indices, frozenset) else frozenset(indices)
     if all(out[k] is saves[k] for k in out):
         return plan
-    return SavePlan(out)
+    # getattr: a SavePlan pickled before it had limit and num_blocks lacks them
+    return SavePlan(out, getattr(plan, "limit", None), getattr(plan, "num_blocks", None))
 
 
 def _wrapping(

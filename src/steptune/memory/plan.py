@@ -153,7 +153,7 @@ class MemoryPlan:
             saves[key] = frozenset(i for i, p in enumerate(packs) if p is not None and p in plan.keep)
             if self.last_block is not None and self.last_block in profiles[key].names:
                 saves[self.last_block] = frozenset(i for i, p in enumerate(packs) if p is not None)
-        return SavePlan(saves)
+        return SavePlan(saves, limit=self.limit, num_blocks=sum(p.num_blocks for p in profiles.values()))
 
 
 def _available(tape: Tape) -> set[ValueKey]:

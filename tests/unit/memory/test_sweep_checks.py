@@ -170,3 +170,23 @@ def test_save_ops_or_save_fn_with_a_plan_warn_that_its_limit_no_longer_holds():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         apply_tapesac_(model, TapeSACConfig(blocks="blocks.*", save_ops={"aten.mm"})).remove()
+
+
+def test_a_plan_applied_to_a_model_with_another_number_of_blocks_warns():
+    # a sweep: a 3-layer model's plan on a 4-layer one broke the limit silently (save_plan dropped the
+    # plan's limit and block count)
+    from steptune.memory.plan import PeakModel, replay_only_plan
+    from steptune.memory.profile import profile_model
+
+    model, batch = _net(2)
+    profiles = profile_model(model, batch, blocks="blocks.*")
+    saves = replay_only_plan(profiles, PeakModel(base=0), 10**6).save_plan(profiles)
+    assert (saves.limit, saves.num_blocks) == (10**6, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_tapesac_(model, TapeSACConfig(blocks="blocks.*", plan=saves)).remove()
+    deeper, _ = _net(3)
+    with pytest.warns(
+        UserWarning, match=r"made for a model with 2 blocks and this one has 3.*\(1000000 bytes\)"
+    ):
+        apply_tapesac_(deeper, TapeSACConfig(blocks="blocks.*", plan=saves)).remove()
