@@ -203,12 +203,17 @@ def register(sub: Any) -> None:
             "Profiles every block signature (measured per-op replay time), calibrates the step-peak model on "
             "one measured replay-only step, and solves the MILP (scipy HiGHS) for the limit. --limit takes "
             "bytes (300MiB, 2GiB, 123456789) or a fraction in (0, 1] of the way from the replay-only peak to "
-            "the no-checkpointing peak."
+            "the no-checkpointing peak. The step peak counts parameters, gradients, the batch and "
+            "activations (one forward+backward); optimizer state (AdamW's two moments: twice the "
+            "parameters) is not in it, so subtract it from the memory you have."
         ),
     )
     pl.add_argument("--model", default="qwen3-small", help=f"one of {', '.join(MODEL_PRESETS)}")
     pl.add_argument(
-        "--limit", required=True, help="step-peak limit: bytes (e.g. 300MiB) or a fraction in (0, 1]"
+        "--limit",
+        required=True,
+        help="step-peak limit (parameters, gradients, batch and activations; not optimizer state): bytes "
+        "(e.g. 300MiB) or a fraction in (0, 1]",
     )
     pl.add_argument("--batch", type=positive_int, help="batch size (default: the preset's)")
     pl.add_argument("--seq", type=positive_int, help="sequence length (default: the preset's)")
