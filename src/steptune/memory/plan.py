@@ -229,6 +229,11 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _exact(n: float) -> str:
+    """Bytes exactly, then in the largest binary unit (notes whose sizes differ by a few KiB stay apart)."""
+    return f"{n:,.0f} B ({_size(n)})"
+
+
 def parse_limit(text: str, what: str = "--limit") -> float:
     """Bytes (with a unit, or a whole number >= 1024) or a fraction in (0, 1]; ValueError otherwise."""
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
@@ -327,12 +332,26 @@ def plan_within(
 ) -> tuple[MemoryPlan, int, list[str]]:
     """:func:`plan_saves`, then ``measure(plan)`` (the step's measured peak); over ``limit``, plan again
     with the limit lowered by twice the last cut plus the overshoot, at most ``tries`` plans, then replay
-    only. Returns (plan, its measured peak, what was tightened). The peak model is calibrated on
+    only; a plan the same as one measured already is not measured again. Returns (plan, its measured
+    peak, what was tightened). The peak model is calibrated on
     replay-only steps, and where keeping a value does not shrink the replay working set as predicted (a
     3-block MLP with a host sync and dropout: 4.5-6.9% over, found in a 2026-12-05 sweep) a plan can exceed
     its limit. Raises ``ValueError`` when even replaying everything measures over ``limit``."""
     limit = limit_bytes(limit)
     budget, cut, notes = limit, 0, []
+    seen: dict[Any, int] = {}
+
+    def measure_once(plan: MemoryPlan) -> int:
+        # a cut of a few KiB often gives the plan just measured (a sweep: the same plan measured twice in a
+        # row); its peak is known
+        what = (
+            plan.last_block,
+            tuple(sorted((repr(k), tuple(sorted(b.keep))) for k, b in plan.blocks.items())),
+        )
+        if what not in seen:
+            seen[what] = measure(plan)
+        return seen[what]
+
     for _ in range(tries):
         try:
             plan = plan_saves(profiles, peak, budget, **options)
@@ -340,13 +359,13 @@ def plan_within(
             if not notes:  # the limit itself is below any plan: plan_saves says what to raise it to
                 raise
             break
-        got = measure(plan)
+        got = measure_once(plan)
         if got <= limit:
             return plan, got, notes
         cut = 2 * cut + (got - limit)
         notes.append(
-            f"the plan for {_size(budget)} measured {_size(got)}, {_size(got - limit)} over the limit: "
-            f"planned again for {_size(limit - cut)}"
+            f"the plan for {_exact(budget)} measured {_exact(got)}, {_exact(got - limit)} over the limit: "
+            f"planned again for {_exact(limit - cut)}"
         )
         budget = limit - cut
     # Plans change in steps the overshoot may not reach (a review: 3 cuts of a few KiB gave the same plan,
@@ -360,18 +379,18 @@ def plan_within(
             plan = plan_saves(profiles, peak, lower, **options)
         except ValueError:
             break
-        got = measure(plan)
+        got = measure_once(plan)
         if got <= limit:
-            notes.append(f"the plan for {_size(lower)} measured {_size(got)}, within the limit")
+            notes.append(f"the plan for {_exact(lower)} measured {_exact(got)}, within the limit")
             return plan, got, notes
     plan = replay_only_plan(profiles, peak, limit)
-    got = measure(plan)
+    got = measure_once(plan)
     if got <= limit:
-        notes.append(f"no kept value fit as measured: replay only ({_size(got)})")
+        notes.append(f"no kept value fit as measured: replay only ({_exact(got)})")
         return plan, got, notes
     raise ValueError(
-        f"no plan measured within the peak limit of {_size(limit)}, replaying everything included "
-        f"({_size(got)}; {'; '.join(notes)}); raise the limit"
+        f"no plan measured within the peak limit of {_exact(limit)}, replaying everything included "
+        f"({_exact(got)}; {'; '.join(notes)}); raise the limit"
     )
 
 

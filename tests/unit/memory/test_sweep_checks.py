@@ -190,3 +190,25 @@ def test_a_plan_applied_to_a_model_with_another_number_of_blocks_warns():
         UserWarning, match=r"made for a model with 2 blocks and this one has 3.*\(1000000 bytes\)"
     ):
         apply_tapesac_(deeper, TapeSACConfig(blocks="blocks.*", plan=saves)).remove()
+
+
+def test_plan_within_measures_each_distinct_plan_once_and_notes_sizes_exactly():
+    # a sweep: after a budget cut of a few KiB plan_within measured the same plan again, and its notes
+    # printed sizes to 0.1 MiB, so consecutive lines read the same
+    from steptune.memory.plan import calibrate, plan_within
+    from steptune.memory.profile import profile_model
+
+    model, batch = _net(2)
+    profiles = profile_model(model, batch, blocks="blocks.*")
+    peak = calibrate(profiles, 10**6)
+    limit = 2 * 10**6
+    measured = []
+
+    def over(plan):  # every plan measures 10 bytes over: the cuts are tiny
+        measured.append(tuple(tuple(sorted(b.keep)) for b in plan.blocks.values()))
+        return limit + 10
+
+    with pytest.raises(ValueError, match=r"2,000,010 B \(1\.9 MiB\)") as err:
+        plan_within(profiles, peak, limit, over)
+    assert len(measured) == len(set(measured)), measured
+    assert "10 B (10 B) over the limit" in str(err.value)
