@@ -84,14 +84,7 @@ class OpCounter(TorchDispatchMode):
 def apply_policy(model: nn.Module, policy: str, blocks: Any = None, plan: Any = None) -> Iterator[Any]:
     """Apply one of :data:`POLICIES`, an anchor of :mod:`steptune.memory.anchors` (``plan``: the
     context of a ``torch_auto_sac@...`` anchor), or
-    ``tapesac_plan@...`` (with ``plan``) to ``model``'s blocks for the duration of the context. A model
-    that already has TapeSAC applied is refused: every policy would measure TapeSAC (``no_ac`` gave the
-    replay-only peak, which put every calibrated fraction at the floor)."""
-    if getattr(model, "_tapesac", None) is not None:
-        raise ValueError(
-            f"TapeSAC is already applied to this model, so policy {policy!r} would measure TapeSAC: call "
-            ".remove() on its handle first (measure applies each policy itself)"
-        )
+    ``tapesac_plan@...`` (with ``plan``) to ``model``'s blocks for the duration of the context."""
     if policy == "no_ac":
         yield None
         return
@@ -201,6 +194,12 @@ def measure_peak(
     receives the peak before the last block's backward (see :func:`head_peak_probe`)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    if getattr(model, "_tapesac", None) is not None:  # a sweep: no_ac gave the replay-only peak, and
+        # calibrating from it put every fraction at the floor
+        raise ValueError(
+            f"TapeSAC is already applied to this model, so measure_peak's policy {policy!r} would measure "
+            "TapeSAC: call .remove() on its handle first (measure_peak applies each policy itself)"
+        )
     with grads_kept(model):
         return _measure_peak(model, batch, policy, blocks, plans, head, MemTracker)
 
