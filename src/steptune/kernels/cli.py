@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import output_file, positive_float, positive_int, warn_ignored
+from steptune.core.argtypes import distinct_paths, output_file, positive_float, positive_int, warn_ignored
 from steptune.core.textfile import read_text
 
 __all__ = ["register"]
@@ -56,14 +56,21 @@ def describe(res: Any, candidate: str) -> str:
     return "\n".join(lines)
 
 
+def _problem_file(spec: str) -> str | None:
+    """`--problem` as a path when it names a file (else it is a built-in problem's name)."""
+    return spec if Path(spec).is_file() else None
+
+
 def _eval(args: argparse.Namespace) -> int:
     from steptune.kernels.pool import EvalPool, PoolConfig
     from steptune.kernels.problems import load_problem
 
-    problem = load_problem(args.problem)
     path = Path(args.candidate)
     if not path.is_file():
         raise ValueError(f"--candidate {args.candidate!r} is not a file")
+    # the JSON must not replace the candidate or the problem file it was judged against
+    distinct_paths(problem=_problem_file(args.problem), candidate=path, json=args.json)
+    problem = load_problem(args.problem)
     source = read_text(path, "kernel candidate")
     if args.device == "cuda":
         import torch
@@ -182,6 +189,9 @@ def _optimize(args: argparse.Namespace) -> int:
     if args.policy not in POLICIES:
         raise ValueError(f"unknown --policy {args.policy!r}: choose one of {', '.join(POLICIES)}")
     problem = load_problem(args.problem)
+    out = Path(args.out or f"{problem.name}_best.py")
+    # before the search: a clash would overwrite the problem file or lose the kernel or the JSON at its end
+    distinct_paths(problem=_problem_file(args.problem), out=out, json=args.json)
     _check_server(args.llm_url, args.model)
     config = SearchConfig(
         policy=args.policy,
@@ -220,7 +230,6 @@ def _optimize(args: argparse.Namespace) -> int:
         c = best.candidate
         print(f"best        {best.speedup:.2f}x the reference, from {c.origin} in iteration {c.iteration} "
               f"at {c.created_s:.1f} s")  # fmt: skip
-        out = Path(args.out or f"{problem.name}_best.py")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(c.code)
         again = shlex.join(
