@@ -99,8 +99,9 @@ class RealLLM:
         import httpx
 
         from steptune.kernels.llm._stream import LLMHTTPError, LLMStreamError
+        from steptune.kernels.llm.sse import SSEDecodeError
 
-        return (LLMHTTPError, LLMStreamError, httpx.HTTPError)
+        return (LLMHTTPError, LLMStreamError, SSEDecodeError, httpx.HTTPError)
 
     async def reason(self, prompt: Prompt, stream_id: str) -> _Gen:
         messages = render_messages(self.problem, prompt)

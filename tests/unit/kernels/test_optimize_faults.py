@@ -1,11 +1,19 @@
-"""`steptune kernels optimize` and `eval` when things go wrong: output paths that clash."""
+"""`steptune kernels optimize` and `eval` when things go wrong: a broken LLM stream, output paths that clash.
+The server is an httpx.MockTransport and the evaluation pool a fake, so nothing here starts a process or a
+socket."""
 
+import asyncio
+import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
 from steptune.cli import main
+from steptune.kernels.agent import EvalOutcome
+from steptune.kernels.extract import normalized_hash
+from steptune.kernels.llm import LLMClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,6 +27,106 @@ class ModelNew(nn.Module):
         return e / e.sum(dim=-1, keepdim=True)
 """
 SOFTMAX = Path(__file__).resolve().parents[3] / "src/steptune/kernels/builtin_problems/softmax.py"
+
+
+def chunk(**delta):
+    return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]}) + "\n\n"
+
+
+def good_reply(n):
+    code = HONEST if n == 1 else HONEST.replace("e / e.sum(dim=-1, keepdim=True)", "e * e.sum(-1, True)**-1")
+    body = chunk(reasoning_content="thinking. ") + chunk(content="```python\n" + code + "```\n")
+    return httpx.Response(200, text=body + "data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+
+
+def sse_reply(body):
+    return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+
+class FakePool:
+    def __init__(self, config):
+        self.config = config
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+class FakeEval:
+    """Every candidate is correct; profiling gives 1.5x, or never ends with `profile=False`."""
+
+    profile = True
+
+    def __init__(self, pool, problem):
+        self.num_workers = 2
+
+    def submit(self, cand, kind, priority):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if kind == "validate":
+            loop.call_soon(fut.set_result, EvalOutcome("correct", None, "", 0.0))
+        elif self.profile:
+            loop.call_soon(fut.set_result, EvalOutcome("correct", 1.5, "", 0.0))
+        return fut
+
+    def set_roles(self, roles):
+        pass
+
+    def busy_seconds(self):
+        return 0.0
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """Returns `setup(handler)`: the CLI's optimize against `handler` (chat replies by call number)."""
+    import steptune.kernels.llm as llm_pkg
+
+    monkeypatch.setattr("steptune.kernels.optimize.EvalPool", FakePool)
+    monkeypatch.setattr("steptune.kernels.real.RealEval", FakeEval)
+    monkeypatch.setattr("steptune.kernels.cli._check_server", lambda *a: None)
+    monkeypatch.setattr(FakeEval, "profile", True)
+    calls = []
+
+    def setup(reply):
+        def handler(request):
+            calls.append(request.url.path)
+            return reply(len(calls))
+
+        def client(base_url, model, *, api_key=None):
+            return LLMClient(base_url, model, api_key=api_key, transport=httpx.MockTransport(handler))
+
+        monkeypatch.setattr(llm_pkg, "LLMClient", client)
+        return calls
+
+    return setup
+
+
+def optimize(tmp_path, *extra):
+    out, js = tmp_path / "best.py", tmp_path / "opt.json"
+    args = ["kernels", "optimize", "--problem", "softmax", "--llm-url", "http://llm.test/v1", "--model", "m"]
+    args += ["--policy", "sequential", "--out", str(out), "--json", str(js), *extra]
+    return main(args), out, js
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        "data: {not json\n\n",  # malformed JSON (was: exit 2, nothing written)
+        "data: " + json.dumps({"choices": "nope"}) + "\n\n",  # wrong shape (was: an AttributeError traceback)
+        "data: " + json.dumps({"choices": [{"delta": {"content": 5}}]}) + "\n\n",  # (was: a TypeError)
+    ],
+)
+def test_a_broken_stream_keeps_what_was_found_and_blames_the_server(fake, tmp_path, capsys, second):
+    fake(lambda n: good_reply(n) if n == 1 else sse_reply(chunk(reasoning_content="x") + second))
+    code, out, js = optimize(tmp_path, "--iterations", "5")
+    err = capsys.readouterr().err
+    assert code == 1 and "the LLM server failed" in err, err
+    assert normalized_hash(out.read_text()) == normalized_hash(HONEST)
+    data = json.loads(js.read_text())
+    assert data["report"]["stop_reason"].startswith("llm error") and data["report"]["iterations"] == 1
+    assert [c["speedup"] for c in data["candidates"]] == [1.5]
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,17 @@ class LLMHTTPError(RuntimeError):
 
 
 class LLMStreamError(RuntimeError):
-    """The server reported an error inside an event stream."""
+    """The server reported an error inside an event stream, or sent a chunk of the wrong shape."""
+
+
+_MAX_QUOTE = 200
+_TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
+
+
+def _shape_error(data: Any, what: str) -> LLMStreamError:
+    text = json.dumps(data)
+    text = text if len(text) <= _MAX_QUOTE else text[:_MAX_QUOTE] + "..."
+    return LLMStreamError(f"stream chunk {text!r} is not an OpenAI-style chunk: {what}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,12 +189,22 @@ class Stream:
             raise LLMStreamError(f"stream chunk is not a JSON object: {str(data)[:200]!r}")
         if data.get("error"):
             raise LLMStreamError(f"server error mid-stream: {error_message(json.dumps(data).encode())}")
+        if data.get("usage") and not isinstance(data["usage"], dict):
+            raise _shape_error(data, "its 'usage' is not an object")
         if data.get("usage"):
             self.usage = data["usage"]
         if data.get("prompt_token_ids") is not None:
             self.prompt_token_ids = list(data["prompt_token_ids"])
         out: list[Chunk] = []
-        for choice in data.get("choices") or ():
+        choices = data.get("choices") or []
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise _shape_error(data, "its 'choices' is not a list of objects")
+        for choice in choices:
+            if not isinstance(choice.get("delta") or {}, dict):
+                raise _shape_error(data, "a choice's 'delta' is not an object")
+            texts = [choice.get("text"), *((choice.get("delta") or {}).get(k) for k in _TEXT_FIELDS)]
+            if not all(t is None or isinstance(t, str) for t in texts):
+                raise _shape_error(data, "a text field is not a string")
             if choice.get("prompt_token_ids") is not None:
                 self.prompt_token_ids = list(choice["prompt_token_ids"])
             if choice.get("finish_reason"):
