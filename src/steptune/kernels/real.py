@@ -51,11 +51,12 @@ def render_messages(problem: Problem, prompt: Prompt) -> list[dict[str, str]]:
 
 
 class _Gen:
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, *, main: bool = False) -> None:
         self._s = stream
         self.reasoning = ""
         self.content = ""
         self.tokens = 0
+        self._main = main
 
     @property
     def aborted(self) -> bool:
@@ -66,7 +67,18 @@ class _Gen:
         return self
 
     async def __anext__(self) -> Delta:
-        chunk = await self._it.__anext__()
+        try:
+            chunk = await self._it.__anext__()
+        except StopAsyncIteration:
+            if self._main and not self.tokens and self._s.finished:
+                from steptune.kernels.llm._stream import LLMStreamError
+
+                # the next iteration would get the same nothing at once: the loop would spin on the server
+                raise LLMStreamError(
+                    "the server ended a chat completion without any text (finish_reason "
+                    f"{self._s.finish_reason!r}): check the model name and the server's log"
+                ) from None
+            raise
         n = len(chunk.token_ids) or max(1, len(chunk.text) // 4)
         if chunk.kind == "reasoning":
             self.reasoning += chunk.text
@@ -108,7 +120,7 @@ class RealLLM:
         if self.forks and self.fork_unavailable is None:
             await self._render(messages, stream_id)
         params: dict[str, Any] = {"metadata": {"problem_id": self.problem.name}}
-        return _Gen(await self.client.stream_chat(messages, **params))
+        return _Gen(await self.client.stream_chat(messages, **params), main=True)
 
     async def _render(self, messages: list[dict[str, str]], stream_id: str) -> None:
         """The prompt as the server's chat template renders it (vLLM's `/tokenize` with token strings): a

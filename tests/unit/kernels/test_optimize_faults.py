@@ -1,6 +1,6 @@
-"""`steptune kernels optimize` and `eval` when things go wrong: a broken LLM stream, output paths that clash.
-The server is an httpx.MockTransport and the evaluation pool a fake, so nothing here starts a process or a
-socket."""
+"""`steptune kernels optimize` and `eval` when things go wrong: a broken or non-streaming LLM server, output
+paths that clash. The server is an httpx.MockTransport and the evaluation pool a fake, so nothing here
+starts a process or a socket."""
 
 import asyncio
 import json
@@ -127,6 +127,25 @@ def test_a_broken_stream_keeps_what_was_found_and_blames_the_server(fake, tmp_pa
     data = json.loads(js.read_text())
     assert data["report"]["stop_reason"].startswith("llm error") and data["report"]["iterations"] == 1
     assert [c["speedup"] for c in data["candidates"]] == [1.5]
+
+
+@pytest.mark.parametrize(
+    ("reply", "says"),
+    [
+        # a server that ignores "stream": true (was: 2727 iterations in 5 s, 0 tokens, "none correct")
+        (lambda n: httpx.Response(200, json={"choices": [{"message": {}}]}), "application/json"),
+        (lambda n: httpx.Response(200, text='{"choices": []}'), "no server-sent events"),  # no content type
+        (lambda n: sse_reply("data: [DONE]\n\n"), "without any text"),  # an empty stream, every time
+    ],
+)
+def test_a_server_that_does_not_stream_stops_the_search(fake, tmp_path, capsys, reply, says):
+    calls = fake(reply)
+    code, out, js = optimize(tmp_path, "--iterations", "50")
+    err = capsys.readouterr().err
+    assert code == 1 and "the LLM server failed" in err and says in err, err
+    assert len(calls) == 1 and not out.exists()
+    report = json.loads(js.read_text())["report"]
+    assert report["stop_reason"].startswith("llm error") and says in report["stop_reason"]
 
 
 @pytest.mark.parametrize(

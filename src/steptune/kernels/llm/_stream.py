@@ -38,7 +38,8 @@ class LLMHTTPError(RuntimeError):
 
 
 class LLMStreamError(RuntimeError):
-    """The server reported an error inside an event stream, or sent a chunk of the wrong shape."""
+    """The server reported an error inside an event stream, or sent something that is not an OpenAI-style
+    event stream (a plain JSON answer, no events at all, chunks of the wrong shape)."""
 
 
 _MAX_QUOTE = 200
@@ -103,6 +104,9 @@ class Stream:
         self.usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
         self._pending_ids: tuple[int, ...] = ()
+        self._events = 0
+        self._head = b""
+        """The body's first bytes, quoted when it holds no event."""
 
     # --- results ---
     @property
@@ -165,7 +169,10 @@ class Stream:
 
         try:
             async for raw in self._response.aiter_bytes():
+                if len(self._head) < _MAX_QUOTE:
+                    self._head += raw[: _MAX_QUOTE - len(self._head)]
                 for event in self._parser.feed(raw):
+                    self._events += 1
                     if event.done:
                         self.finished = True
                         break
@@ -174,7 +181,15 @@ class Stream:
                 if self.finished:
                     break
             else:
-                self._parser.flush()  # a body that ends without [DONE] still ends the stream
+                # a body that ends without [DONE] still ends the stream
+                self._events += len(self._parser.flush())
+                if not self._events:
+                    head = self._head.decode("utf-8", "replace")
+                    raise LLMStreamError(
+                        f"the server's answer to a streaming request held no server-sent events (body "
+                        f"{head!r}): it is not an OpenAI-style event stream. Point --llm-url at a server "
+                        "that streams (vLLM, SGLang)"
+                    )
                 self.finished = True
             for chunk in self._emit(self._content("", final=True), ()):
                 yield chunk

@@ -37,6 +37,10 @@ FORK_SUFFIX = "\n</think>\n\n```python\n"
 """Closes the partial thought and opens a code block, so a fork writes code straight away."""
 
 
+_NOT_STREAMS = ("application/json", "text/html")
+"""Content types of answers that are not event streams (a whole completion, an error or proxy page)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TokenizeResult:
     """`POST /tokenize`'s answer: ids, and their text pieces when asked for."""
@@ -161,4 +165,13 @@ class LLMClient:
             body = await response.aread()
             await response.aclose()
             raise LLMHTTPError(response.status_code, error_message(body), str(req.url))
+        media = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media in _NOT_STREAMS:  # a server or proxy that ignored "stream": true (other types: see Stream)
+            body = await response.aread()
+            await response.aclose()
+            raise LLMStreamError(
+                f"POST {req.url} answered {media}, not an event stream (text/event-stream): the server "
+                f'ignored "stream": true (body {body[:200].decode("utf-8", "replace")!r}). Point --llm-url '
+                "at a server that streams chat completions (vLLM, SGLang)"
+            )
         return Stream(response, request, started, think)
