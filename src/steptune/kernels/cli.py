@@ -222,14 +222,17 @@ def _optimize(args: argparse.Namespace) -> int:
     for fb in res.feedback:
         counts[fb.verdict] = counts.get(fb.verdict, 0) + 1
     print("verdicts    " + ", ".join(f"{v} {n}" for v, n in sorted(counts.items())))
-    best = res.best
+    best = res.best_correct  # the fastest profiled one, else a correct one without a measured speedup
     if best is None:
         print("best        none correct: read the reasons in the JSON and adjust the prompt or the model")
         code = 1
     else:
         c = best.candidate
-        print(f"best        {best.speedup:.2f}x the reference, from {c.origin} in iteration {c.iteration} "
-              f"at {c.created_s:.1f} s")  # fmt: skip
+        where = f"from {c.origin} in iteration {c.iteration} at {c.created_s:.1f} s"
+        if best.speedup is not None:
+            print(f"best        {best.speedup:.2f}x the reference, {where}")
+        else:  # correct, but no speedup to rank it by: still the search's result, said as such
+            print(f"best        a correct kernel without a measured speedup, {where} ({best.reason})")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(c.code)
         again = shlex.join(

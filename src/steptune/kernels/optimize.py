@@ -1,8 +1,9 @@
 """`steptune kernels optimize`: one search against a real OpenAI-compatible server and the sandboxed pool.
 
 Contract: `optimize` runs `Search` with `RealLLM` (the server at `base_url`) and `RealEval` (a pool it
-owns for the run) and returns the search report plus every evaluated candidate, best first. Nothing is
-lost: the caller writes the best kernel and a JSON of all results.
+owns for the run) and returns the search report plus every evaluated candidate, best first (correct ones
+still waiting for profiling when the search ended are there too, unprofiled). Nothing is lost: the caller
+writes the best kernel and a JSON of all results.
 """
 
 from __future__ import annotations
@@ -23,12 +24,28 @@ __all__ = ["OptimizeResult", "optimize"]
 class OptimizeResult:
     report: SearchReport
     feedback: list[Feedback]
-    """Every evaluated candidate: the fastest correct one first, then the other correct ones, the rest."""
+    """Every evaluated candidate: the fastest correct one first, then the other correct ones (unprofiled, or
+    with a speedup not credited), the rest."""
 
     @property
     def best(self) -> Feedback | None:
-        first = self.feedback[0] if self.feedback else None
+        """The fastest profiled correct candidate."""
+        first = self.best_correct
         return first if first is not None and first.speedup is not None else None
+
+    @property
+    def best_correct(self) -> Feedback | None:
+        """`best`, else the first correct candidate without a speedup (validated, not profiled in time)."""
+        first = self.feedback[0] if self.feedback else None
+        return first if first is not None and first.verdict == "correct" else None
+
+
+def _ranked(report: SearchReport, feedback: list[Feedback]) -> OptimizeResult:
+    def key(f: Feedback) -> tuple[bool, bool, float, float]:
+        correct = f.verdict == "correct"
+        return (not (correct and f.speedup is not None), not correct, -(f.speedup or 0.0), f.at_s)
+
+    return OptimizeResult(report, sorted(feedback, key=key))
 
 
 async def _run(problem: Problem, base_url: str, model: str, config: SearchConfig, pool: EvalPool,
@@ -55,5 +72,4 @@ def optimize(
 ) -> OptimizeResult:
     with EvalPool(pool_config or PoolConfig(num_workers=2, roles=("validate", "profile"))) as pool:
         report, feedback = asyncio.run(_run(problem, base_url, model, config, pool, api_key, progress))
-    ranked = sorted(feedback, key=lambda f: (f.speedup is None, -(f.speedup or 0.0), f.at_s))
-    return OptimizeResult(report, ranked)
+    return _ranked(report, feedback)

@@ -154,6 +154,9 @@ class Search:
         self.eval_tasks: set[asyncio.Task[Any]] = set()
         self.awaiting_profile: dict[str, Candidate] = {}
         """Correct candidates queued or running for profiling (their latency is censored at the end)."""
+        self.validated_at: dict[str, float] = {}
+        """When each of those passed validation (their feedback's time if the search ends first)."""
+        self.index = 0
 
     # -- shared machinery --
     def _t(self) -> float:
@@ -209,6 +212,7 @@ class Search:
             return fb
         self.alloc.observe_arrival("profile", now())
         self.awaiting_profile[cand.key] = cand
+        self.validated_at[cand.key] = self._t()
         p = await self.ev.submit(cand, "profile", prio)
         del self.awaiting_profile[cand.key]
         self.alloc.observe_service("profile", p.service_s / self._slots("profile"), now())
@@ -393,28 +397,37 @@ class Search:
             self.done.set()
 
     async def run(self) -> SearchReport:
+        """Search until a budget, the target, a broken problem or a failed LLM server ends it."""
         self.t0 = now()
         self.budget = BudgetTracker(self.cfg.budget, self.t0)
         self.alloc = ElasticAllocator(self.ev.num_workers, self.cfg.allocator)
         self.term = Termination(self.cfg.termination)
-        policy = {"sequential": self._sequential, "parallel": self._parallel,
-                  "early_exit": self._early_exit, "specgen": self._specgen}[self.cfg.policy]  # fmt: skip
+        self.index = 0
         helpers = [asyncio.ensure_future(self._budget_watch())]
         if self.cfg.realloc and self.cfg.policy == "specgen":
             helpers.append(asyncio.ensure_future(self._realloc_loop()))
-        index = 0
+        report = self._finish(await self._loop())
+        self.done.set()
+        await _cancel(helpers)
+        await _cancel(self.eval_tasks)
+        return report
+
+    async def _loop(self) -> str:
+        """The iterations; returns why they stopped (before the final reason is settled in `_finish`)."""
+        policy = {"sequential": self._sequential, "parallel": self._parallel,
+                  "early_exit": self._early_exit, "specgen": self._specgen}[self.cfg.policy]  # fmt: skip
         stop_reason = "budget"
         while not self.done.is_set():
             if self.budget.exhausted(now()):
                 break
             max_it = self.cfg.budget.iterations
-            if max_it is not None and index >= max_it:
+            if max_it is not None and self.index >= max_it:
                 stop_reason = "iterations"
                 break
-            it = _Iteration(index)
+            it = _Iteration(self.index)
             self.cur = it
             self.term.start_iteration(self.best)
-            prompt = Prompt(self.problem, index, list(self.feedback), self.best)
+            prompt = Prompt(self.problem, self.index, list(self.feedback), self.best)
             body = asyncio.ensure_future(policy(prompt, it))
             finished = asyncio.ensure_future(self.done.wait())
             await asyncio.wait({body, finished}, return_when=asyncio.FIRST_COMPLETED)
@@ -435,10 +448,15 @@ class Search:
                 break
             for g in it.gens:
                 await self._close(g)
-            index += 1
+            self.index += 1
         if (stop_reason == "iterations" or stop_reason.startswith("llm error")) and self.eval_tasks:
             # every proposed candidate still gets its verdict, within what is left of the wall budget
             await asyncio.wait(set(self.eval_tasks), timeout=self.budget.remaining_s(now()))
+        return stop_reason
+
+    def _finish(self, stop_reason: str) -> SearchReport:
+        """The report of the search so far. Correct candidates still waiting for profiling join `feedback`,
+        unprofiled, so none is lost."""
         if self.problem_error is not None:
             stop_reason = self.problem_error
         elif stop_reason.startswith("llm error"):
@@ -453,9 +471,12 @@ class Search:
         # Correct candidates still waiting for profiling count at their age: a lower bound on their latency,
         # so a policy that starves old candidates (newest first) cannot hide them from the median.
         latencies += [elapsed - c.created_s for c in self.awaiting_profile.values()]
-        self.done.set()
-        await _cancel(helpers)
-        await _cancel(self.eval_tasks)
+        why = stop_reason.splitlines()[0] if stop_reason else "stopped"
+        why = why if len(why) <= 120 else why[:117] + "..."
+        for key, cand in self.awaiting_profile.items():
+            reason = f"validated; not profiled before the search ended ({why})"
+            at = self.validated_at[key]
+            self.feedback.append(Feedback(cand, "correct", None, reason, at, profiled=False))
         return SearchReport(
             policy=self.cfg.policy,
             elapsed_s=elapsed,
@@ -467,7 +488,7 @@ class Search:
             eval_utilization=busy / max(1e-9, self.ev.num_workers * elapsed),
             best_speedup=self.best,
             tokens=dict(self.tokens),
-            iterations=index,
+            iterations=self.index,
             early_stops=self.early_stops,
             aborted_streams=self.aborted,
             best_timeline=self.best_timeline,

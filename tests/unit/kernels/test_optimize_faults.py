@@ -1,6 +1,6 @@
-"""`steptune kernels optimize` and `eval` when things go wrong: a broken or non-streaming LLM server, output
-paths that clash. The server is an httpx.MockTransport and the evaluation pool a fake, so nothing here
-starts a process or a socket."""
+"""`steptune kernels optimize` and `eval` when things go wrong: a broken or non-streaming LLM server, a budget
+that ends before profiling, output paths that clash. The server is an httpx.MockTransport and the
+evaluation pool a fake, so nothing here starts a process or a socket."""
 
 import asyncio
 import json
@@ -11,9 +11,12 @@ import httpx
 import pytest
 
 from steptune.cli import main
-from steptune.kernels.agent import EvalOutcome
+from steptune.kernels.agent import Delta, EvalOutcome
+from steptune.kernels.clock import run
 from steptune.kernels.extract import normalized_hash
 from steptune.kernels.llm import LLMClient
+from steptune.kernels.search import Search, SearchConfig
+from steptune.kernels.termination import Budget
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -146,6 +149,57 @@ def test_a_server_that_does_not_stream_stops_the_search(fake, tmp_path, capsys, 
     assert len(calls) == 1 and not out.exists()
     report = json.loads(js.read_text())["report"]
     assert report["stop_reason"].startswith("llm error") and says in report["stop_reason"]
+
+
+def test_a_validated_candidate_unprofiled_at_the_end_is_kept():
+    # Found in a sweep: profiling still running when the wall budget ended dropped the candidate entirely.
+    class Gen:
+        def __init__(self):
+            self.reasoning, self.content, self.tokens, self.aborted, self._sent = "", "", 0, False, False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self._sent:
+                raise StopAsyncIteration
+            self._sent = True
+            await asyncio.sleep(1.0)
+            self.content, self.tokens = "```python\n" + HONEST + "```\n", 10
+            return Delta("content", self.content, 10)
+
+        async def aclose(self):
+            pass
+
+    class LLM:
+        async def reason(self, prompt, sid):
+            return Gen()
+
+    class Ev(FakeEval):
+        profile = False
+
+    async def go():
+        s = Search(LLM(), Ev(None, None), SearchConfig(policy="sequential", budget=Budget(wall_s=30.0)))
+        return s, await s.run()
+
+    search, rep = run(go(), virtual=True)
+    assert rep.validated == 1 and rep.unprofiled_at_end == 1 and rep.feedback_count == 0
+    [fb] = search.feedback
+    assert fb.verdict == "correct" and fb.speedup is None and not fb.profiled
+    assert fb.reason.startswith("validated; not profiled before the search ended (wall time 30 s spent")
+
+
+def test_optimize_writes_a_correct_kernel_that_was_not_profiled_in_time(fake, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(FakeEval, "profile", False)
+    fake(good_reply)
+    code, out, js = optimize(tmp_path, "--wall", "0.3")
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "best        a correct kernel without a measured speedup" in printed and "not profiled" in printed
+    assert "verdicts    correct 1" in printed and "1 candidates, 0 profiled" in printed
+    assert normalized_hash(out.read_text()) == normalized_hash(HONEST)
+    [cand] = json.loads(js.read_text())["candidates"]
+    assert cand["verdict"] == "correct" and cand["speedup"] is None and "not profiled" in cand["reason"]
 
 
 @pytest.mark.parametrize(
