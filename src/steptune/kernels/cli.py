@@ -181,7 +181,7 @@ def _check_server(base_url: str, model: str) -> None:
 
 
 def _optimize(args: argparse.Namespace) -> int:
-    from steptune.kernels.optimize import optimize
+    from steptune.kernels.optimize import OptimizeInterrupted, optimize
     from steptune.kernels.problems import load_problem
     from steptune.kernels.search import POLICIES, SearchConfig
     from steptune.kernels.termination import Budget, TerminationConfig
@@ -205,7 +205,16 @@ def _optimize(args: argparse.Namespace) -> int:
             best = f"{search.best:.2f}x" if search.best else "-"
             print(f"\r{len(search.feedback)} evaluated, best {best}", end="", file=sys.stderr, flush=True)
 
-    res = optimize(problem, base_url=args.llm_url, model=args.model, config=config, progress=progress)
+    try:
+        res = optimize(problem, base_url=args.llm_url, model=args.model, config=config, progress=progress)
+    except OptimizeInterrupted as exc:  # Ctrl-C or SIGTERM: write what was found, then stop as asked
+        _report(args, problem, exc.result, out)
+        raise (exc.__cause__ or exc) from None
+    return _report(args, problem, res, out)
+
+
+def _report(args: argparse.Namespace, problem: Any, res: Any, out: Path) -> int:
+    """Print the search's summary, write the best kernel and the JSON; the exit status."""
     rep = res.report
     if sys.stderr.isatty():
         print(file=sys.stderr)

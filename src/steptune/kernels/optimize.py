@@ -3,7 +3,8 @@
 Contract: `optimize` runs `Search` with `RealLLM` (the server at `base_url`) and `RealEval` (a pool it
 owns for the run) and returns the search report plus every evaluated candidate, best first (correct ones
 still waiting for profiling when the search ended are there too, unprofiled). Nothing is lost: the caller
-writes the best kernel and a JSON of all results.
+writes the best kernel and a JSON of all results. Ctrl-C or SIGTERM during the search raises
+`OptimizeInterrupted` (a KeyboardInterrupt) carrying the result so far, its stop_reason `interrupted (...)`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from steptune.kernels.pool import EvalPool, PoolConfig
 from steptune.kernels.problems import Problem
 from steptune.kernels.search import Search, SearchConfig, SearchReport
 
-__all__ = ["OptimizeResult", "optimize"]
+__all__ = ["OptimizeInterrupted", "OptimizeResult", "optimize"]
 
 
 @dataclass(slots=True)
@@ -40,6 +41,14 @@ class OptimizeResult:
         return first if first is not None and first.verdict == "correct" else None
 
 
+class OptimizeInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the search: `result` holds what it found; `__cause__` is the interrupt."""
+
+    def __init__(self, result: OptimizeResult) -> None:
+        super().__init__(result.report.stop_reason)
+        self.result = result
+
+
 def _ranked(report: SearchReport, feedback: list[Feedback]) -> OptimizeResult:
     def key(f: Feedback) -> tuple[bool, bool, float, float]:
         correct = f.verdict == "correct"
@@ -49,13 +58,15 @@ def _ranked(report: SearchReport, feedback: list[Feedback]) -> OptimizeResult:
 
 
 async def _run(problem: Problem, base_url: str, model: str, config: SearchConfig, pool: EvalPool,
-               api_key: str | None, progress: Any) -> tuple[SearchReport, list[Feedback]]:  # fmt: skip
+               api_key: str | None, progress: Any,
+               searches: list[Search]) -> tuple[SearchReport, list[Feedback]]:  # fmt: skip
     from steptune.kernels.llm import LLMClient
     from steptune.kernels.real import RealEval, RealLLM
 
     async with LLMClient(base_url, model, api_key=api_key) as client:
         llm = RealLLM(client, problem, forks=config.policy in ("specgen", "early_exit"))
         search = Search(llm, RealEval(pool, problem), config, problem=problem.name, progress=progress)
+        searches.append(search)
         report = await search.run()
         return report, list(search.feedback)
 
@@ -70,6 +81,19 @@ def optimize(
     api_key: str | None = None,
     progress: Any = None,
 ) -> OptimizeResult:
-    with EvalPool(pool_config or PoolConfig(num_workers=2, roles=("validate", "profile"))) as pool:
-        report, feedback = asyncio.run(_run(problem, base_url, model, config, pool, api_key, progress))
+    searches: list[Search] = []
+    try:
+        with EvalPool(pool_config or PoolConfig(num_workers=2, roles=("validate", "profile"))) as pool:
+            report, feedback = asyncio.run(
+                _run(problem, base_url, model, config, pool, api_key, progress, searches)
+            )
+    except (KeyboardInterrupt, SystemExit, asyncio.CancelledError) as exc:
+        # Ctrl-C cancels asyncio.run's task (then KeyboardInterrupt), SIGTERM raises SystemExit (steptune's
+        # CLI): either way the search kept its report; the pool has ended its sandboxes on the way out
+        search = searches[0] if searches else None
+        if search is None or search.report is None:
+            raise
+        what = {SystemExit: "SIGTERM", KeyboardInterrupt: "Ctrl-C"}.get(type(exc), type(exc).__name__)
+        search.report.stop_reason = f"interrupted ({what})"
+        raise OptimizeInterrupted(_ranked(search.report, list(search.feedback))) from exc
     return _ranked(report, feedback)

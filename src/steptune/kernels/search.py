@@ -157,6 +157,9 @@ class Search:
         self.validated_at: dict[str, float] = {}
         """When each of those passed validation (their feedback's time if the search ends first)."""
         self.index = 0
+        self._body: asyncio.Future[Any] | None = None
+        self.report: SearchReport | None = None
+        """Set when `run` ends, however it ends (an interrupted search's report says `interrupted`)."""
 
     # -- shared machinery --
     def _t(self) -> float:
@@ -397,7 +400,9 @@ class Search:
             self.done.set()
 
     async def run(self) -> SearchReport:
-        """Search until a budget, the target, a broken problem or a failed LLM server ends it."""
+        """Search until a budget, the target, a broken problem or a failed LLM server ends it. Cancelled (or
+        a KeyboardInterrupt or SystemExit through the loop), it sets `report` to what was found so far
+        (stop_reason `interrupted`) before the exception goes on: the caller can still write it out."""
         self.t0 = now()
         self.budget = BudgetTracker(self.cfg.budget, self.t0)
         self.alloc = ElasticAllocator(self.ev.num_workers, self.cfg.allocator)
@@ -406,11 +411,20 @@ class Search:
         helpers = [asyncio.ensure_future(self._budget_watch())]
         if self.cfg.realloc and self.cfg.policy == "specgen":
             helpers.append(asyncio.ensure_future(self._realloc_loop()))
-        report = self._finish(await self._loop())
+        try:
+            stop_reason = await self._loop()
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+            # Ctrl-C or SIGTERM: keep what was found; stop the rest without waiting (this task is going away)
+            self.report = self._finish("interrupted")
+            self.done.set()
+            for t in (*helpers, *self.eval_tasks, *([self._body] if self._body else [])):
+                t.cancel()
+            raise
+        self.report = self._finish(stop_reason)
         self.done.set()
         await _cancel(helpers)
         await _cancel(self.eval_tasks)
-        return report
+        return self.report
 
     async def _loop(self) -> str:
         """The iterations; returns why they stopped (before the final reason is settled in `_finish`)."""
@@ -428,10 +442,12 @@ class Search:
             self.cur = it
             self.term.start_iteration(self.best)
             prompt = Prompt(self.problem, self.index, list(self.feedback), self.best)
-            body = asyncio.ensure_future(policy(prompt, it))
+            body = self._body = asyncio.ensure_future(policy(prompt, it))
             finished = asyncio.ensure_future(self.done.wait())
-            await asyncio.wait({body, finished}, return_when=asyncio.FIRST_COMPLETED)
-            finished.cancel()
+            try:
+                await asyncio.wait({body, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                finished.cancel()
             if not body.done():
                 it.stop.set()
                 body.cancel()
@@ -449,15 +465,18 @@ class Search:
             for g in it.gens:
                 await self._close(g)
             self.index += 1
+        self._body = None
         if (stop_reason == "iterations" or stop_reason.startswith("llm error")) and self.eval_tasks:
             # every proposed candidate still gets its verdict, within what is left of the wall budget
             await asyncio.wait(set(self.eval_tasks), timeout=self.budget.remaining_s(now()))
         return stop_reason
 
     def _finish(self, stop_reason: str) -> SearchReport:
-        """The report of the search so far. Correct candidates still waiting for profiling join `feedback`,
-        unprofiled, so none is lost."""
-        if self.problem_error is not None:
+        """The report of the search so far (synchronous: it also runs while the search is interrupted).
+        Correct candidates still waiting for profiling join `feedback`, unprofiled, so none is lost."""
+        if stop_reason == "interrupted":
+            pass
+        elif self.problem_error is not None:
             stop_reason = self.problem_error
         elif stop_reason.startswith("llm error"):
             pass  # the reason the search ended, whatever else holds

@@ -1,10 +1,12 @@
-"""`steptune kernels optimize` and `eval` when things go wrong: a broken or non-streaming LLM server, a budget
-that ends before profiling, output paths that clash. The server is an httpx.MockTransport and the
-evaluation pool a fake, so nothing here starts a process or a socket."""
+"""`steptune kernels optimize` and `eval` when things go wrong: a broken or non-streaming LLM server,
+Ctrl-C or SIGTERM, a budget that ends before profiling, output paths that clash. The server is an
+httpx.MockTransport and the evaluation pool a fake, so nothing here starts a process or a socket."""
 
 import asyncio
 import json
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import httpx
@@ -200,6 +202,50 @@ def test_optimize_writes_a_correct_kernel_that_was_not_profiled_in_time(fake, tm
     assert normalized_hash(out.read_text()) == normalized_hash(HONEST)
     [cand] = json.loads(js.read_text())["candidates"]
     assert cand["verdict"] == "correct" and cand["speedup"] is None and "not profiled" in cand["reason"]
+
+
+def _interrupt(how):
+    if how == "SIGINT":
+        signal.raise_signal(signal.SIGINT)  # asyncio.run's handler cancels the search's task
+    elif how == "SIGTERM":
+        signal.raise_signal(signal.SIGTERM)  # steptune's CLI handler raises SystemExit(143)
+    else:  # a KeyboardInterrupt out of the event loop itself (no asyncio handler installed)
+        asyncio.get_running_loop().call_soon(_raise_keyboard_interrupt)
+
+
+def _raise_keyboard_interrupt():
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "loop"])
+def test_an_interrupted_search_writes_what_it_found(fake, tmp_path, capsys, how):
+    # Found in a sweep: Ctrl-C during optimize exited 130 with no JSON and no best kernel.
+    if how != "loop" and threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    if how == "SIGINT" and signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default handler here, so asyncio.run installs none")
+
+    def reply(n):
+        if n == 2:
+            _interrupt(how)
+        return good_reply(n)
+
+    fake(reply)
+    if how == "SIGTERM":
+        with pytest.raises(SystemExit) as info:
+            optimize(tmp_path, "--iterations", "5")
+        code, out, js = info.value.code, tmp_path / "best.py", tmp_path / "opt.json"
+        assert code == 143
+    else:
+        code, out, js = optimize(tmp_path, "--iterations", "5")
+        assert code == 130
+    captured = capsys.readouterr()
+    want = "SIGTERM" if how == "SIGTERM" else "Ctrl-C"
+    assert f"stopped by  interrupted ({want})" in captured.out
+    assert normalized_hash(out.read_text()) == normalized_hash(HONEST)
+    data = json.loads(js.read_text())
+    assert data["report"]["stop_reason"] == f"interrupted ({want})"
+    assert [c["speedup"] for c in data["candidates"]] == [1.5]
 
 
 @pytest.mark.parametrize(
