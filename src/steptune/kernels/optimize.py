@@ -93,7 +93,8 @@ def optimize(
         search = searches[0] if searches else None
         if search is None or search.report is None:
             raise
-        what = {SystemExit: "SIGTERM", KeyboardInterrupt: "Ctrl-C"}.get(type(exc), type(exc).__name__)
-        search.report.stop_reason = f"interrupted ({what})"
+        if search.report.stop_reason == "interrupted":  # else it had ended, and the pool's exit was cut short
+            what = {SystemExit: "SIGTERM", KeyboardInterrupt: "Ctrl-C"}.get(type(exc), type(exc).__name__)
+            search.report.stop_reason = f"interrupted ({what})"
         raise OptimizeInterrupted(_ranked(search.report, list(search.feedback))) from exc
     return _ranked(report, feedback)
