@@ -142,3 +142,16 @@ def test_a_tuned_schedule_names_its_model_when_simulated_with_another(tmp_path, 
     assert "was tuned for llama2-7b; simulated with llama3.1-8b's costs" in capsys.readouterr().out
     assert main([*sim, "--model", "llama2-7b"]) == 0
     assert "was tuned for" not in capsys.readouterr().out
+
+
+def test_outputs_over_the_schedule_they_read_are_refused(tmp_path, capsys):
+    # A sweep: simulate --out rewrote the tuner's schedule.json without its partition (and a torch CSV
+    # without its SEND/RECV actions); run --json over --schedule replaced the schedule with the report
+    sched = zb_h1(2, 4, partition=(9, 9))
+    path = sched.save(tmp_path / "schedule.json")
+    before = path.read_text()
+    assert main(["pipeline", "simulate", "--schedule", str(path), "--out", str(tmp_path)]) == 2
+    assert "would write over the --schedule it reads" in capsys.readouterr().err
+    assert main(["pipeline", "run", "--schedule", str(path), "--ranks", "2", "--json", str(path)]) == 2
+    assert "--schedule and --json name the same file" in capsys.readouterr().err
+    assert path.read_text() == before

@@ -146,6 +146,13 @@ def _simulate(args: argparse.Namespace) -> int:
     from steptune.pipeline.schedule import Schedule
     from steptune.pipeline.simulate import simulate
 
+    written = {args.out / name for name in ("schedule.csv", "schedule.json", "trace.json", "gantt.png")}
+    if Path(args.schedule).expanduser().resolve() in {p.expanduser().resolve() for p in written}:
+        # a sweep: the tuner's schedule.json rewritten without its partition, a CSV without its SEND/RECV
+        raise ValueError(
+            f"--out {args.out} would write over the --schedule it reads ({args.schedule}): give --out a "
+            "folder of its own"
+        )
     sched = Schedule.load(args.schedule)
     notes = []
     if args.model:
@@ -235,9 +242,11 @@ def _run(args: argparse.Namespace) -> int:
     import json
     import os
 
+    from steptune.core.argtypes import distinct_paths
     from steptune.pipeline.runner import rank_main
     from steptune.pipeline.schedule import Schedule
 
+    distinct_paths(schedule=args.schedule, json=args.json)  # a sweep: the report replaced the schedule
     sched = Schedule.load(args.schedule)
     if sched.partition is None:
         raise ValueError(
@@ -252,7 +261,15 @@ def _run(args: argparse.Namespace) -> int:
 
     build_bundle(args.model, sched)
     simulate(sched, StageCosts.uniform(sched.num_stages))
-    call = (sched.to_json(), args.model, args.repeats, args.check, args.check)
+    idle = [d for d in range(sched.num_devices) if not sched.stages_of(d)]
+    with_torch = args.check and not idle
+    if args.check and idle:  # torch's runtime refuses a rank without a stage (after spawning, per rank)
+        print(
+            f"note: device(s) {idle} hold no stage, which torch's runtime cannot run: --check compares "
+            "gradients with the single-process reference but does not time torch's runtime",
+            file=sys.stderr,
+        )
+    call = (sched.to_json(), args.model, args.repeats, with_torch, args.check)
     if "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
         import datetime
 
@@ -365,7 +382,8 @@ def register(sub: Any) -> None:
     r.add_argument(
         "--check",
         action="store_true",
-        help="also run torch's _PipelineScheduleRuntime and a single-process gradient reference",
+        help="also time torch's _PipelineScheduleRuntime on the same schedule, and compare our executor's "
+        "gradients with a single-process reference",
     )
     r.add_argument("--json", type=output_file, default=None, help="write the report here")
     r.set_defaults(func=_run)

@@ -36,6 +36,7 @@ from steptune.core.dist import irecv, isend
 from steptune.pipeline.costs import StageCosts
 from steptune.pipeline.schedule import Action, ActionKind, Schedule, ScheduleError
 from steptune.pipeline.simulate import simulate
+from steptune.pipeline.stages import _NOT_A_TENSOR
 
 __all__ = ["ExecutorConfig", "ExecutorTimeout", "PipelineExecutor", "check_schedule"]
 
@@ -131,6 +132,12 @@ class PipelineExecutor:
                 f"stage(s) {not_stages} are plain modules; the executor needs each stage's unit outputs: "
                 "wrap the layers with steptune.pipeline.stages.split_layers(layers, partition) (a Stage each)"
             )
+        misfiled = [(s, m.index) for s, m in stages.items() if getattr(m, "index", s) != s]
+        if misfiled:
+            raise ValueError(
+                f"stages={{{misfiled[0][0]}: <stage {misfiled[0][1]}>}}: the module given as stage "
+                f"{misfiled[0][0]} is stage {misfiled[0][1]} (Stage.index); key each stage by its own index"
+            )
         mine = set(schedule.stages_of(rank))
         if set(stages) != mine:
             raise ValueError(
@@ -185,7 +192,10 @@ class PipelineExecutor:
         if self.store is None:
             return f"rank {self.rank}: {self._position} (no store given, so no other rank's position)"
         if self.config.publish == "timeout":  # the peers publish when their own waits time out
-            self.store.set(f"{self.prefix}/pos/{self.rank}", self._position)
+            try:
+                self.store.set(f"{self.prefix}/pos/{self.rank}", self._position)
+            except Exception as exc:  # a dead store must not hide the error being reported
+                return f"rank {self.rank}: {self._position} (the store did not take it: {exc})"
             grace = min(self.config.timeout, 10.0)
         else:
             grace = 0.2
@@ -206,13 +216,20 @@ class PipelineExecutor:
         try:
             work.wait(datetime.timedelta(seconds=self.config.timeout))
         except RuntimeError as exc:
-            raise self._peer_error(exc, what) from exc
+            if (err := self._peer_error(exc, what)) is None:
+                raise
+            raise err from exc
 
-    def _peer_error(self, exc: RuntimeError, what: str) -> ExecutorTimeout:
-        if "timed out" in str(exc).lower():
+    def _peer_error(self, exc: RuntimeError, what: str) -> ExecutorTimeout | None:
+        """A timed-out wait, or a connection a peer closed (gloo closes a pair whose wait timed out), as an
+        ``ExecutorTimeout`` listing the positions; None for any other error (raised unchanged)."""
+        text = str(exc).lower()
+        if "timed out" in text:
             head = f"rank {self.rank} waited more than {self.config.timeout:g} s for {what}"
-        else:  # gloo closes a pair whose wait timed out: this rank's peer gave up first
+        elif "closed" in text or "connection" in text:
             head = f"rank {self.rank} lost its connection to a peer at {what} (its watchdog fired first?)"
+        else:
+            return None
         return ExecutorTimeout(f"{head} ({exc}); positions: {self._positions()}")
 
     # --- one step --------------------------------------------------------------------------------
@@ -225,6 +242,11 @@ class PipelineExecutor:
         mbs = sched.num_microbatches
         if 0 in self.stages and (inputs is None or len(inputs) != mbs):
             raise ValueError(f"rank {rank} holds stage 0: pass {mbs} microbatch inputs")
+        if 0 in self.stages:  # before any communication: a peer would wait out the watchdog
+            assert inputs is not None
+            bad = next((m for m, x in enumerate(inputs) if not isinstance(x, torch.Tensor)), None)
+            if bad is not None:
+                raise TypeError(_NOT_A_TENSOR.format(what=f"microbatch {bad} is", got=inputs[bad]))
         if self.last in self.stages and (targets is None or len(targets) != mbs):
             raise ValueError(f"rank {rank} holds the last stage: pass {mbs} targets")
         next_recv = 0
@@ -242,7 +264,9 @@ class PipelineExecutor:
                 try:
                     rv.work = irecv(rv.buf, src, self.group, tag=tag)
                 except RuntimeError as exc:
-                    raise self._peer_error(exc, f"posting a receive from rank {src}") from exc
+                    if (err := self._peer_error(exc, f"posting a receive from rank {src}")) is None:
+                        raise
+                    raise err from exc
                 pending[key] = rv
                 next_recv += 1
 
@@ -259,7 +283,14 @@ class PipelineExecutor:
             if dst == rank:
                 local[key] = tensor
             else:
-                shape = self.boundary[key[1] - 1 if key[0] == "f" else key[1]][0]
+                shape, dtype = self.boundary[key[1] - 1 if key[0] == "f" else key[1]]
+                if tensor.dtype != dtype:  # the receiver's buffer is this dtype: bytes would be misread
+                    what = "output" if key[0] == "f" else "input gradient"
+                    raise TypeError(
+                        f"microbatch {key[2]}'s {what} at the boundary to stage {key[1]} is {tensor.dtype}, "
+                        f"the boundary's is {dtype}: declare the dtype the stage really returns in "
+                        "boundary= (boundary_shape(layers, example) reads it), or cast in the unit"
+                    )
                 if tuple(tensor.shape) != tuple(shape):  # the peer's buffer is sized for this: it would
                     # compute on uninitialised memory (a short last microbatch; found in a 2026-12-05 sweep)
                     what = "output" if key[0] == "f" else "input gradient"
@@ -272,7 +303,9 @@ class PipelineExecutor:
                 try:
                     sends.append((isend(tensor.contiguous(), dst, self.group, tag=tag), what))
                 except RuntimeError as exc:
-                    raise self._peer_error(exc, what) from exc
+                    if (err := self._peer_error(exc, what)) is None:
+                        raise
+                    raise err from exc
 
         post_until(self.config.recv_window)
         for pos, a in enumerate(self.order):
@@ -318,6 +351,8 @@ class PipelineExecutor:
             x.requires_grad_(True)
         stage = self.stages[s]
         y, outs = stage.forward_collect(x)
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(_NOT_A_TENSOR.format(what=f"stage {s} returns", got=y))
         st: dict[str, Any] = {"x": x, "outs": outs, "layer_params": stage.layer_params()}
         if s == self.last:
             assert targets is not None

@@ -408,3 +408,65 @@ def test_a_ragged_microbatch_is_refused_before_any_communication():
     xs[3], ys[3] = xs[3][:1], ys[3][:1]
     with pytest.raises(RankFailure, match=r"microbatch 3's output at the boundary to stage 1"):
         run_pipeline(sched, decoder(2), xs, ys, lm_loss, timeout=2.0)
+
+
+def _shared_units():
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(8, 8)
+    return [torch.nn.Linear(8, 8), shared, torch.nn.Sequential(torch.nn.Tanh(), shared),
+            torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)]  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [anchors.one_f_one_b, anchors.zb_h1], ids=["1f1b", "zb_h1"])
+def test_a_parameter_two_units_of_a_stage_share_gets_its_gradient_once(make):
+    # A sweep: shared.weight's gradient was 0.095 off (of 0.148): W of the later unit walks back through
+    # the earlier one, and W of the earlier one added its use again
+    import copy
+
+    units = _shared_units()
+    ref = torch.nn.Sequential(*copy.deepcopy(units))
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    ys = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + k)) for k in range(2)]
+    mse = lambda o, t: ((o - t) ** 2).mean()  # noqa: E731
+    for x, y in zip(xs, ys, strict=True):
+        (mse(ref(x), y) / 2).backward()
+    run_pipeline(with_partition(make(2, 2), (3, 2)), units, xs, ys, mse)
+    got = {id(p): p.grad for u in units for p in u.parameters()}
+    want = [p.grad for u in ref for p in u.parameters()]
+    pairs = list(zip([p for u in units for p in u.parameters()], want, strict=True))
+    assert max((got[id(p)] - w).abs().max().item() for p, w in pairs) <= 1e-6
+
+
+def test_boundary_dtype_tuples_and_misfiled_stages_are_refused_with_what_to_do():
+    # A sweep: a bf16 output into a float32 buffer gave wrong losses silently; a tuple output or a dict
+    # microbatch an AttributeError mid-step; stage 1's module under key 0 ran the wrong model
+    sched = with_partition(anchors.one_f_one_b(2, 2), (1, 1))
+    stages = split_layers([torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 8)], (1, 1))
+    xs = [torch.randn(3, 8, dtype=torch.bfloat16) for _ in range(2)]
+
+    def rank0(boundary, inputs):
+        def fn(rank, group):
+            if rank == 1:
+                return None
+            ex = PipelineExecutor(sched, {0: stages[0]}, rank=0, group=group, boundary=boundary,
+                                  loss_fn=lm_loss, config=ExecutorConfig(timeout=2.0))  # fmt: skip
+            return ex.step(inputs, None)
+
+        with pytest.raises(RankFailure) as info:
+            run_threads(fn, 2, timeout=30)
+        return info.value.remote_traceback
+
+    msg = rank0([((3, 8), torch.float32)], xs)
+    assert "TypeError" in msg and "is torch.bfloat16, the boundary's is torch.float32" in msg
+    msg = rank0([((3, 8), torch.bfloat16)], [{"x": x} for x in xs])
+    assert "TypeError: microbatch 0 is a dict" in msg
+    with pytest.raises(TypeError, match=r"unit 0 \(Pair\) returns a tuple"):
+
+        class Pair(torch.nn.Module):
+            def forward(self, x):
+                return x, x
+
+        boundary_shape([Pair()], torch.randn(3, 8))
+    with pytest.raises(ValueError, match=r"is stage 1 \(Stage.index\)"):
+        PipelineExecutor(sched, {0: stages[1]}, rank=0, group=None, boundary=[((3, 8), torch.float32)],
+                         loss_fn=lm_loss)  # fmt: skip
