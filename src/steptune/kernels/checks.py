@@ -36,6 +36,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+from steptune.kernels import cext
+
 __all__ = ["Finding", "static_check"]
 
 _BANNED_MODULES = {
@@ -60,7 +62,7 @@ _BANNED_MODULES = {
 }
 # The one way into steptune a kernel needs: the C build helper's public names, by from-import only (a module
 # object would reach its own imports: cext.subprocess).
-_ALLOWED_FROM = {"steptune.kernels.cext": {"DEFAULT_CFLAGS", "CompileError", "compiler", "load_c", "ptr"}}
+_ALLOWED_FROM = {"steptune.kernels.cext": set(cext.__all__)}
 _BANNED_OS = {
     "fork", "forkpty", "system", "popen", "kill", "killpg", "spawnv", "spawnl", "posix_spawn",
     "_exit", "abort",
@@ -108,6 +110,9 @@ _BANNED_ATTRS = {
     "__self__": "reaches a bound method's owner",
     "__func__": "reaches a bound method's function",
     "__wrapped__": "reaches a wrapped function",
+    "sys": "reaches the interpreter's module table through another module (torch.sys.modules)",
+    "pythonapi": "calls the interpreter's C API (imports any module, the evaluator's among them)",
+    "py_object": "turns the interpreter's C API results into objects",
     "__setattr__": "rebinds attributes past the rebinding check (time.__setattr__('perf_counter', ...))",
     "__delattr__": "deletes attributes past the rebinding check",
     "__torch_function__": "makes a tensor subclass whose operations run the candidate's code inside the "

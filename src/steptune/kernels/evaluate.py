@@ -259,6 +259,13 @@ class _Namespaces:
     def __init__(self) -> None:
         spaces = [(m, vars(sys.modules[m])) for m in _WATCHED if m in sys.modules]
         spaces += [("torch.Tensor", vars(torch.Tensor)), ("torch.nn.Module", vars(torch.nn.Module))]
+        # and this module's own classes (a review: _Namespaces.check replaced on the class went unseen)
+        own = [
+            c
+            for c in vars(sys.modules[__name__]).values()
+            if isinstance(c, type) and c.__module__ == __name__
+        ]
+        spaces += [(f"{__name__}.{c.__qualname__}", vars(c)) for c in own]
         self._spaces = [(where, space, {k: id(v) for k, v in space.items()}) for where, space in spaces]
 
     def check(self, when: str) -> None:
@@ -292,24 +299,34 @@ def _torch_state() -> dict[str, Any]:
     """Process-wide torch settings that change what the reference computes or how fast it runs."""
     import torch.nn.modules.module as module_mod
 
-    state: dict[str, Any] = {
-        "the default dtype": torch.get_default_dtype(),
-        "grad mode": torch.is_grad_enabled(),
-        "inference mode": torch.is_inference_mode_enabled(),
-        "the intra-op thread count": torch.get_num_threads(),
-        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
-        "the fp32 matmul precision": torch.get_float32_matmul_precision(),
-        "mkldnn": torch.backends.mkldnn.enabled,
-        "the default device": str(torch.get_default_device()),
-        "the torch-function mode stack": torch._C._len_torch_function_stack(),
-        "the dispatch mode stack": torch._C._len_torch_dispatch_stack(),
+    reads: dict[str, Callable[[], Any]] = {
+        "the default dtype": torch.get_default_dtype,
+        "grad mode": torch.is_grad_enabled,
+        "inference mode": torch.is_inference_mode_enabled,
+        "the intra-op thread count": torch.get_num_threads,
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled,
+        "the fp32 matmul precision": torch.get_float32_matmul_precision,
+        "the fp32 precision settings": lambda: (
+            getattr(torch.backends, "fp32_precision", None),
+            getattr(getattr(torch.backends.cuda, "matmul", None), "fp32_precision", None),
+        ),
+        "mkldnn": lambda: torch.backends.mkldnn.enabled,
+        "the default device": lambda: str(torch.get_default_device()),
+        "the torch-function mode stack": torch._C._len_torch_function_stack,
+        "the dispatch mode stack": torch._C._len_torch_dispatch_stack,
     }
     if torch.cuda.is_available():
-        state |= {
-            "cudnn": (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark,
-                      torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32),
-            "TF32 matmuls": torch.backends.cuda.matmul.allow_tf32,
+        reads |= {
+            "cudnn": lambda: (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark,
+                              torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32),
+            "TF32 matmuls": lambda: torch.backends.cuda.matmul.allow_tf32,
         }  # fmt: skip
+    state: dict[str, Any] = {}
+    for what, read in reads.items():
+        try:  # a legacy read raises once the new fp32_precision API is in use (torch 2.9+): record that
+            state[what] = read()
+        except RuntimeError as exc:
+            state[what] = f"unreadable: {str(exc)[:120]}"
     for name in _GLOBAL_HOOKS:
         hooks = getattr(module_mod, name, None)
         if hooks is not None:

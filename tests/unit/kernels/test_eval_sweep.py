@@ -273,7 +273,10 @@ HOOK = (
         ("from steptune.kernels.evaluate import _NON_COMPUTE\n_NON_COMPUTE.add('aten._softmax')\n",
          "return torch.softmax(a[0], -1)", "validate", "imports steptune",
          "'frozenset' object has no attribute 'add'"),
-        # ... or its comparison switched off: zeros judged correct
+        # ... or reached through torch.sys (a review), or its comparison switched off: zeros judged correct
+        ("ev = torch.sys.modules['steptune.kernels.evaluate']\n"
+         "ev._Namespaces.check = lambda self, when: None\n",
+         "return torch.zeros_like(a[0])", "validate", "uses the attribute sys", None),
         ("import steptune.kernels.evaluate as ev\nev._compare = lambda *a, **k: 0.0\n",
          "return torch.zeros_like(a[0])", "validate", "imports steptune",
          "rebinds steptune.kernels.evaluate._compare"),
@@ -284,11 +287,14 @@ HOOK = (
         (HOOK, HAND_SOFTMAX, "profile", None, "torch.nn.modules.module._global_forward_hooks"),
         # a lower default dtype widened a float output's tolerance; grad mode left on slowed the reference
         ("torch.set_default_dtype(torch.float64)\n", HAND_SOFTMAX, "validate", None, "the default dtype"),
+        # the new TF32 API made the legacy read raise: the state check crashed instead of rejecting (a review)
+        ("torch.backends.cuda.matmul.fp32_precision = 'tf32'\n", HAND_SOFTMAX, "validate",
+         "rebinds torch.backends.cuda.matmul.fp32_precision", "changed the fp32"),
         ("", f"torch.set_grad_enabled(True)\n        {HAND_SOFTMAX}", "profile", None,
          "grad mode (False -> True)"),
     ],
-    ids=["subclass-liar", "plain-subclass", "evaluator-set", "evaluator-patch", "clock-patch", "global-hook",
-         "default-dtype", "grad-mode"],
+    ids=["subclass-liar", "plain-subclass", "evaluator-set", "torch-sys", "evaluator-patch", "clock-patch",
+         "global-hook", "default-dtype", "fp32-precision", "grad-mode"],
 )  # fmt: skip
 def test_candidates_that_change_the_evaluator_or_torch_globals_are_rejected(
     pools, prelude, forward, kind, static, runtime
@@ -298,5 +304,7 @@ def test_candidates_that_change_the_evaluator_or_torch_globals_are_rejected(
     source = _candidate(forward, prelude=prelude)
     verdict, reason = _verdict(checked, SOFTMAX, source, kind)
     assert verdict == "rejected" and (static or runtime) in reason, reason
+    if runtime is None:  # in-process checks cannot stop a candidate holding the evaluator (docs/kernels.md)
+        return
     verdict, reason = _verdict(bare, SOFTMAX, source, kind)  # past the static checks, the run time's
     assert verdict != "correct" and runtime in reason, reason
