@@ -387,17 +387,18 @@ def enable_tide(module: nn.Module, config: TideConfig | None = None) -> TideHand
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
     fqns = _group_names(groups, names, {id(p): n for n, p in module.named_parameters(remove_duplicate=False)})
     reasons = {fqns[id(g)]: _ineligible(g) for g in groups}
+    rs_verdicts: list[tuple[Any, str | None]] = []  # separate reduce-scatter groups, shared by every group
     if (broken := _check_signatures()) is not None:
         reasons = dict.fromkeys(reasons, f"unsupported FSDP2 internals ({broken})")
     elif config.self_test:
-        failed = _self_tests([g for g in groups if reasons[fqns[id(g)]] is None], config, fqns)
+        failed = _self_tests([g for g in groups if reasons[fqns[id(g)]] is None], config, fqns, rs_verdicts)
         reasons.update(failed)
     _install()
     states = []
     for g in groups:
         fqn = fqns[id(g)]
         if reasons[fqn] is None:
-            states.append(GroupState(g, config))
+            states.append(GroupState(g, config, rs_verdicts))
         else:
             warnings.warn(
                 f"TIDE: group {fqn} stays on stock FSDP2: {reasons[fqn]}", TideFallbackWarning, stacklevel=2
@@ -418,21 +419,36 @@ def _group_names(groups: list[Any], names: dict[int, str], params: dict[int, str
     return out
 
 
-def _self_tests(groups: list[Any], config: TideConfig, fqns: dict[int, str]) -> dict[str, str]:
-    """Run TIDE's all-gather and reduce-scatter once on each distinct process group; agree on the verdict."""
+def _self_tests(
+    groups: list[Any], config: TideConfig, fqns: dict[int, str], rs_verdicts: list[tuple[Any, str | None]]
+) -> dict[str, str]:
+    """Run TIDE's all-gather and reduce-scatter once on each distinct process group; agree on the verdict.
+    Returns the groups whose shard group failed (they stay on stock FSDP2); FSDP2's separate reduce-scatter
+    groups (torch 2.13 ``set_separate_reduce_scatter_group``) are tested too, their verdicts put in
+    ``rs_verdicts``: one that fails keeps stock FSDP2's reduce-scatter only (see
+    ``GroupState.rs_group_passes``)."""
+    from steptune.comm.fsdp_group import rs_fallback_message
     from steptune.comm.selftest import self_test
 
     verdicts: dict[int, str | None] = {}
     failed = {}
+    users: dict[int, list[str]] = {}
     for g in groups:
         pg = g.mesh_info.shard_process_group
-        # FSDP2's separate reduce-scatter group (torch 2.13 set_separate_reduce_scatter_group), when set
+        if id(pg) not in verdicts:
+            verdicts[id(pg)] = self_test(pg, g.device, config)
+        if verdicts[id(pg)] is not None:
+            failed[fqns[id(g)]] = f"self-test failed: {verdicts[id(pg)]}"
+            continue
         rs = getattr(g.mesh_info, "reduce_scatter_process_group", None)
-        for what, group in (("self-test", pg), ("self-test of its separate reduce-scatter group", rs)):
-            if group is None or (group is pg and what != "self-test"):
-                continue
-            if id(group) not in verdicts:
-                verdicts[id(group)] = self_test(group, g.device, config)
-            if verdicts[id(group)] is not None and fqns[id(g)] not in failed:
-                failed[fqns[id(g)]] = f"{what} failed: {verdicts[id(group)]}"
+        if rs is None or rs is pg:
+            continue
+        if id(rs) not in verdicts:
+            verdicts[id(rs)] = self_test(rs, g.device, config)
+            rs_verdicts.append((rs, verdicts[id(rs)]))
+        users.setdefault(id(rs), []).append(fqns[id(g)])
+    for group, verdict in rs_verdicts:
+        if verdict is not None:
+            warnings.warn(rs_fallback_message(verdict, "groups " + ", ".join(users[id(group)])),
+                          TideFallbackWarning, stacklevel=3)  # fmt: skip
     return failed

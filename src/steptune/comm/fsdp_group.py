@@ -39,8 +39,17 @@ def _fsdp_internals() -> tuple[Any, Any, Any]:
     return AllGatherResult, ShardedState, _get_device_handle
 
 
+def rs_fallback_message(verdict: str, users: str) -> str:
+    return (
+        f"TIDE: FSDP2's separate reduce-scatter group ({users}) failed its self-test ({verdict}): "
+        "reduce-scatters on it stay on stock FSDP2; the all-gathers still use TIDE"
+    )
+
+
 class GroupState:
-    def __init__(self, param_group: Any, config: TideConfig) -> None:
+    def __init__(
+        self, param_group: Any, config: TideConfig, rs_verdicts: list[tuple[Any, str | None]] | None = None
+    ) -> None:
         self.param_group = param_group
         self.config = config
         self.active = True
@@ -50,10 +59,10 @@ class GroupState:
         self.slot: Slot | None = None
         self.transport: ProcessGroupP2P | None = None
         self._rs_transport: ProcessGroupP2P | None = None
-        # Reduce-scatter groups and their self-test verdicts (None: passed). One set before enable_tide was
-        # tested there; one set after it is tested at its first use.
-        rs = getattr(param_group.mesh_info, "reduce_scatter_process_group", None)
-        self._rs_checked: list[tuple[Any, str | None]] = [] if rs is None else [(rs, None)]
+        # Separate reduce-scatter groups and their self-test verdicts (None: passed), shared by every group
+        # of one enable_tide (FSDP2 gives them one reduce-scatter group): one set before enable_tide was
+        # tested there, one set after it is tested once, at its first use.
+        self._rs_checked: list[tuple[Any, str | None]] = [] if rs_verdicts is None else rs_verdicts
         self._rs_layouts: dict[tuple[int, ...], GroupLayout] = {}
         for fp in self.fsdp_params:
             fp._tide_state = self
@@ -86,12 +95,8 @@ class GroupState:
         verdict = self_test(group, device, self.config) if self.config.self_test else None
         self._rs_checked.append((group, verdict))
         if verdict is not None:
-            warnings.warn(
-                f"TIDE: group {self.fqn}'s separate reduce-scatter group failed its self-test ({verdict}); "
-                "its reduce-scatters stay on stock FSDP2",
-                TideFallbackWarning,
-                stacklevel=2,
-            )
+            message = rs_fallback_message(verdict, f"first used by group {self.fqn}")
+            warnings.warn(message, TideFallbackWarning, stacklevel=2)
         return verdict is None
 
     # -- lazy set-up (first all-gather: FSDP2's lazy init has set dtypes and devices by then) ------------

@@ -420,10 +420,12 @@ class Search:
             for t in (*helpers, *self.eval_tasks, *([self._body] if self._body else [])):
                 t.cancel()
             raise
-        self.report = self._finish(stop_reason)
         self.done.set()
         await _cancel(helpers)
         await _cancel(self.eval_tasks)
+        # after the cancels: a profile landing while they run would otherwise join `feedback` beside the
+        # unprofiled entry _finish made for the same candidate (a review)
+        self.report = self._finish(stop_reason)
         return self.report
 
     async def _loop(self) -> str:

@@ -153,7 +153,9 @@ class MemoryPlan:
             saves[key] = frozenset(i for i, p in enumerate(packs) if p is not None and p in plan.keep)
             if self.last_block is not None and self.last_block in profiles[key].names:
                 saves[self.last_block] = frozenset(i for i, p in enumerate(packs) if p is not None)
-        return SavePlan(saves, limit=self.limit, num_blocks=sum(p.num_blocks for p in profiles.values()))
+        # distinct blocks, not recordings: a block called twice (shared weights) is one block (a review)
+        blocks = {name for p in profiles.values() for name in p.names}
+        return SavePlan(saves, limit=self.limit, num_blocks=len(blocks))
 
 
 def _available(tape: Tape) -> set[ValueKey]:

@@ -289,12 +289,7 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
     )
     if case == "disable_unsharded":
         return {"groups": handle.groups, "refused": refused, "bitwise_equal": equal}
-    if case in (
-        "mid_accumulation",
-        "separate_rs_group",
-        "separate_rs_group_late",
-        "separate_rs_group_late_fails",
-    ):
+    if case == "mid_accumulation" or case.startswith("separate_rs_group"):
         own = [st._rs_transport is not None and st._rs_transport.group is not st.transport.group
                for st in handle._states]  # fmt: skip
         handle.disable()

@@ -84,14 +84,13 @@ def test_every_fallback_warns_and_matches_stock(w):
                     assert set(r["groups"].values()) == {"tide"} and all(r["own_rs_group"]), r
                     assert len(r["own_rs_group"]) == len(r["groups"]) and not r["warnings"], r
                     continue
-                if (
-                    case == "separate_rs_group_late_fails"
-                ):  # tested at first use; failed: stock reduce-scatter
+                if case in ("separate_rs_group_fails", "separate_rs_group_late_fails"):
+                    # tested at enable time or at first use, once for the groups sharing it; failed: stock
+                    # FSDP2's reduce-scatter on it, TIDE's all-gather kept
                     assert set(r["groups"].values()) == {"tide"} and not any(r["own_rs_group"]), r
-                    assert len(r["warnings"]) == len(r["groups"]), r["warnings"]
-                    assert all(
-                        "separate reduce-scatter group failed its self-test" in w for w in r["warnings"]
-                    )
+                    [warned] = r["warnings"]
+                    assert "separate reduce-scatter group" in warned and "failed its self-test" in warned
+                    assert "still use TIDE" in warned
                     continue
                 if case.startswith("per_param_mesh"):  # two groups on module "0": each its own verdict
                     dense, experts = "0 [0.dense.weight, 0.dense.bias]", "0 [0.experts]"
@@ -107,7 +106,3 @@ def test_every_fallback_warns_and_matches_stock(w):
                 assert stayed, (case, r["groups"])
                 assert len(r["warnings"]) == len(stayed), (case, r["warnings"])
                 assert all("stays on stock FSDP2" in m for m in r["warnings"])
-                if case == "separate_rs_group_fails":  # tested at enable time, beside the shard group
-                    assert all(
-                        "self-test of its separate reduce-scatter group failed" in m for m in r["warnings"]
-                    )

@@ -190,6 +190,11 @@ def test_a_plan_applied_to_a_model_with_another_number_of_blocks_warns():
         UserWarning, match=r"made for a model with 2 blocks and this one has 3.*\(1000000 bytes\)"
     ):
         apply_tapesac_(deeper, TapeSACConfig(blocks="blocks.*", plan=saves)).remove()
+    # a block called twice (shared weights) is one block, not two (a review: the count was of recordings)
+    model.forward = lambda x, mask=None: model.blocks[1](model.blocks[1](model.blocks[0](x))).pow(2).mean()
+    profiles = profile_model(model, batch, blocks="blocks.*")
+    saves = replay_only_plan(profiles, PeakModel(base=0), 10**6).save_plan(profiles)
+    assert saves.num_blocks == 2
 
 
 def test_plan_within_measures_each_distinct_plan_once_and_notes_sizes_exactly():
