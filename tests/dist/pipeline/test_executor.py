@@ -315,34 +315,32 @@ def test_invalid_schedules_refused_before_any_communication():
     check_schedule(anchors.zb_v(4, 8))  # and a valid one passes
 
 
+def _sleep_stages(f, partition):
+    """Sleep layers (``f[k]`` seconds in unit k's forward, nothing else), split by ``partition``."""
+    n = len(f)
+    costs = LayerCosts(f=tuple(f), i=(0.0,) * n, w=(0.0,) * n, act_bytes=(1.0,) * n, out_bytes=(1.0,) * n,
+                       static_bytes=(1.0,) * n)  # fmt: skip
+    return split_layers(sleep_layers(costs), partition)
+
+
+def _watched(sched, stages, rank, group, store, **config):
+    """An executor with a 1 s watchdog that publishes positions in ``store``."""
+    return PipelineExecutor(sched, {rank: stages[rank]}, rank=rank, group=group,
+                            boundary=[((1, 16), torch.float32)] * (sched.num_stages - 1),
+                            loss_fn=lambda o, t: o.sum(), config=ExecutorConfig(timeout=1.0, **config),
+                            store=store, prefix="pp")  # fmt: skip
+
+
 def test_stuck_rank_becomes_an_error_with_every_rank_position():
     from steptune.core.dist import master_store
 
     sched = with_partition(anchors.one_f_one_b(2, 2), (2, 2))
-    costs = LayerCosts(
-        f=(0.0,) * 4,
-        i=(0.0,) * 4,
-        w=(0.0,) * 4,
-        act_bytes=(1.0,) * 4,
-        out_bytes=(1.0,) * 4,
-        static_bytes=(1.0,) * 4,
-    )
-    layers = sleep_layers(costs)
-    stages = split_layers(layers, (2, 2))
+    stages = _sleep_stages((0.0,) * 4, (2, 2))
     xs = [torch.randn(1, 16) for _ in range(2)]
     store = master_store()
 
     def rank_fn(rank, group):
-        ex = PipelineExecutor(
-            sched,
-            {rank: stages[rank]},
-            rank=rank,
-            group=group,
-            boundary=[((1, 16), torch.float32)],
-            loss_fn=lambda o, t: o.sum(),
-            config=ExecutorConfig(timeout=1.0),
-            store=store,
-        )
+        ex = _watched(sched, stages, rank, group, store)
         if rank == 1:
             store.set("pp/pos/1", "stuck before its first action (injected)")
             time.sleep(3.0)  # a dead-slow rank: rank 0 must not wait forever
@@ -363,31 +361,13 @@ def test_on_timeout_publishing_names_the_waiting_ranks_and_the_busy_one():
     from steptune.core.dist import connect_store, master_store
 
     sched = with_partition(anchors.one_f_one_b(3, 2), (1, 1, 1))
-    costs = LayerCosts(
-        f=(4.0, 0.0, 0.0),  # rank 0 computes past its peers' 1 s watchdog and their 1 s grace
-        i=(0.0,) * 3,
-        w=(0.0,) * 3,
-        act_bytes=(1.0,) * 3,
-        out_bytes=(1.0,) * 3,
-        static_bytes=(1.0,) * 3,
-    )
-    stages = split_layers(sleep_layers(costs), (1, 1, 1))
+    # rank 0 computes past its peers' 1 s watchdog and their 1 s grace
+    stages = _sleep_stages((4.0, 0.0, 0.0), (1, 1, 1))
     store = master_store()
 
     def rank_fn(rank, group):
-        ex = PipelineExecutor(
-            sched,
-            {rank: stages[rank]},
-            rank=rank,
-            group=group,
-            boundary=[((1, 16), torch.float32)] * 2,
-            loss_fn=lambda o, t: o.sum(),
-            config=ExecutorConfig(timeout=1.0, publish="timeout"),
-            store=connect_store(
-                store.port
-            ),  # one client per rank, as processes have: a client is not threadsafe
-            prefix="t",
-        )
+        # one store client per rank, as processes have: a client is not threadsafe
+        ex = _watched(sched, stages, rank, group, connect_store(store.port), publish="timeout")
         return ex.step([torch.randn(1, 16) for _ in range(2)] if rank == 0 else None, [None, None])
 
     with pytest.raises(RankFailure) as info:
