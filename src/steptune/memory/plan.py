@@ -262,14 +262,17 @@ def limit_bytes(limit: Any, what: str = "limit") -> int:
     form (0.5: half way from replay-only to no checkpointing) needs measured peaks, so here it is refused
     with the sum to write; so are NaN, infinities, zero, negatives and booleans (a sweep: ``0.5`` gave "no
     plan fits a peak limit of 0 B", ``"8MiB"`` a TypeError, a numpy scalar was stored as the plan's limit)."""
+
+    def fraction_refused(value: float) -> ValueError:
+        return ValueError(
+            f"{what}={limit!r}: the fraction form is the CLI's (--limit 0.5); the Python API takes bytes: "
+            f"pass int(floor + {value} * (top - floor)) with the measured replay-only and no_ac peaks"
+        )
+
     if isinstance(limit, str):
         value = parse_limit(limit, what)
         if value <= 1.0:
-            raise ValueError(
-                f"{what}={limit!r}: the fraction form is the CLI's (--limit 0.5); the Python API takes "
-                f"bytes: measure the replay-only and no_ac peaks and pass "
-                f"int(floor + {value} * (top - floor))"
-            )
+            raise fraction_refused(value)
         return int(value)
     if getattr(limit, "ndim", None) == 0 and hasattr(limit, "item"):
         limit = limit.item()  # a numpy or torch scalar
@@ -281,11 +284,7 @@ def limit_bytes(limit: Any, what: str = "limit") -> int:
     if not 0 < limit < math.inf:
         raise ValueError(f"{what} must be a positive, finite number of bytes; got {limit!r}")
     if limit <= 1:
-        raise ValueError(
-            f"{what}={limit!r} B: the Python API takes bytes; a fraction of the way from replay-only to no "
-            "checkpointing is the CLI's form (--limit 0.5): pass int(floor + fraction * (top - floor)) with "
-            "the measured replay-only and no_ac peaks"
-        )
+        raise fraction_refused(limit)
     return int(limit)
 
 

@@ -103,7 +103,7 @@ def test_the_python_api_checks_limits_as_the_cli_does():
         got = limit_bytes(value)
         assert got == 5000 and type(got) is int
     for value, error, message in [
-        (0.5, ValueError, "the CLI's form"),
+        (0.5, ValueError, "the fraction form is the CLI's"),
         ("0.5", ValueError, "the fraction form is the CLI's"),
         (math.nan, ValueError, "positive, finite"),
         (math.inf, ValueError, "positive, finite"),
