@@ -111,3 +111,13 @@ def test_a_directory_named_like_a_builtin_problem_does_not_shadow_it(tmp_path, m
     (tmp_path / "mine").mkdir()
     with pytest.raises(ValueError, match="'mine' is a directory, not a problem file"):
         load_problem("mine")
+
+
+def test_the_static_checks_allow_exactly_cexts_public_names():
+    # checks.py lists them itself (importing cext there would import torch into the CLI)
+    from steptune.kernels import cext
+    from steptune.kernels.checks import _ALLOWED_FROM
+
+    assert {"steptune.kernels.cext": set(cext.__all__)} == _ALLOWED_FROM
+    assert static_check("from steptune.kernels.cext import load_c, ptr\n") == []
+    assert static_check("from steptune.kernels.cext import subprocess\n")
