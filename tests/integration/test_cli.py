@@ -82,9 +82,12 @@ def test_resilience_simulate_help_names_every_policy_and_scenario_kind(capsys):
     [
         (
             ["--inject", "slow:rank=1,factor=0.5,at=3"],
-            "(factor=0.5): a slowdown factor is a finite number >= 1",
+            "(factor=0.5): a slowdown factor is a number from 1 to 1000",
         ),
         (["--inject", "slow:rank=1,factor=nan,at=3"], "(factor=nan): a slowdown factor"),
+        (["--inject", "slow:rank=1,factor=1e300,at=3"], "a device slower than that is hung"),  # overflowed
+        (["--inject", "slow:rank=1,factr=1.6,at=3"], "unknown key(s) factr; missing factor"),
+        (["--inject", "slow:rank=1,factor=2,at=3;slow:rank=2,factor=2,at=3"], "repeat the flag"),
         (["--inject", "slow:rank=1,factor=2,at=-1"], "(at=-1): the first slow step"),
         (["--inject", "slow:rank=x,factor=2,at=3"], "whole numbers"),
         (["--inject", "slow:rank=1,factor=2,at=3,for=0"], "(for=0): steps, a whole number >= 1"),

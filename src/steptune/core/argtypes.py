@@ -21,6 +21,7 @@ __all__ = [
     "plot_file",
     "positive_float",
     "positive_int",
+    "seed",
     "warn_ignored",
 ]
 
@@ -70,6 +71,11 @@ def byte_size(text: str) -> float:
 def non_negative_int(text: str) -> int:
     """A whole number >= 0 (a rank, a step index)."""
     return int(_number(text, int, lambda v: v >= 0, "a whole number", ">= 0"))
+
+
+def seed(text: str) -> int:
+    """A random seed: a whole number in [0, 2**63) (torch's and numpy's generators take no other)."""
+    return int(_number(text, int, lambda v: 0 <= v < 2**63, "a whole number", ">= 0 and below 2**63"))
 
 
 def non_negative_float(text: str) -> float:

@@ -18,6 +18,7 @@ from steptune.core.argtypes import (
     plot_file,
     positive_float,
     positive_int,
+    seed,
     warn_ignored,
 )
 from steptune.core.report import plural
@@ -313,6 +314,8 @@ def _parse_inject(spec: str) -> dict[str, Any]:
             f"--inject {spec!r}: use slow:rank=R,factor=F,at=S[,for=D] (a device) or slow-link:... (rank R's "
             "network link); fail-stop is `steptune resilience failstop`"
         )
+    if ";" in rest:  # a sweep: "slow:...;slow:..." was reported as "factor is given twice"
+        raise ValueError(f"--inject {spec!r}: one fault per --inject; repeat the flag for two faults")
     kv: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
@@ -325,8 +328,13 @@ def _parse_inject(spec: str) -> dict[str, Any]:
             raise ValueError(f"--inject {spec!r}: {key} is given twice")
         kv[key] = value
     unknown = sorted(set(kv) - {"rank", "factor", "at", "for"})
-    if unknown or not {"rank", "factor", "at"} <= set(kv):
-        raise ValueError(f"--inject {spec!r}: expected {kind}:rank=R,factor=F,at=S[,for=D]")
+    missing = sorted({"rank", "factor", "at"} - set(kv))
+    if unknown or missing:
+        what = "; ".join(
+            ([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
+            + ([f"missing {', '.join(missing)}"] if missing else [])
+        )
+        raise ValueError(f"--inject {spec!r}: {what}: expected {kind}:rank=R,factor=F,at=S[,for=D]")
     try:
         fault: dict[str, Any] = {
             "rank": int(kv["rank"]),
@@ -638,7 +646,7 @@ def register(sub: Any) -> None:
         "checked)",
     )
     run.add_argument(
-        "--seed", type=int, default=0, help="seed of the model, data and noise (default %(default)s)"
+        "--seed", type=seed, default=0, help="seed of the model, data and noise (default %(default)s)"
     )
     run.add_argument(
         "--ranks-per-node",
@@ -698,7 +706,7 @@ def register(sub: Any) -> None:
         default=0.01,
         help="wall seconds per emulated device second (default %(default)s)",
     )
-    fs.add_argument("--seed", type=int, default=0, help="seed of the model and data (default %(default)s)")
+    fs.add_argument("--seed", type=seed, default=0, help="seed of the model and data (default %(default)s)")
     fs.add_argument(
         "--json", type=output_file, default=None, help="also write the runs and their comparison here (JSON)"
     )
@@ -724,7 +732,9 @@ def register(sub: Any) -> None:
         "--model", default="llama2-13b", help="model preset (default %(default)s; a bad name lists them)"
     )
     sim.add_argument("--duration", type=positive_float, default=7200.0, help="simulated seconds (7200)")
-    sim.add_argument("--seed", type=int, default=0, help="seed of a generated scenario (default %(default)s)")
+    sim.add_argument(
+        "--seed", type=seed, default=0, help="seed of a generated scenario (default %(default)s)"
+    )
     sim.add_argument("--verbose", action="store_true", help="print every plan change")
     sim.add_argument(
         "--free-comm",

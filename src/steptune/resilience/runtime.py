@@ -69,6 +69,11 @@ slowdowns over 25%."""
 _MAX_COMM_GROUPS = 4  # distinct ``comm_timed`` groups one rank may time in one step
 
 
+MAX_SLOWDOWN = 1000.0
+"""The largest slowdown an injected fault may have (a sweep: 1e300 overflowed time.sleep inside a rank, 1e6
+slept 13 h per microbatch)."""
+
+
 def fault_range_error(
     rank: Any,
     factor: Any,
@@ -79,14 +84,19 @@ def fault_range_error(
     """What is wrong with a slow fault's fields, as ``name=value): why``, or None. One rule for
     ``SlowFault`` and the CLI's ``--inject`` (which passes its own key names)."""
 
-    def whole(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
+    def whole(v: Any) -> bool:  # numpy's integers too (a sweep: np.int64(1) was "not a whole number")
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
     n_rank, n_factor, n_start, n_duration = names
     if not whole(rank) or rank < 0:
         return f"{n_rank}={rank!r}): a rank is a whole number >= 0"
-    if not (isinstance(factor, int | float) and not isinstance(factor, bool) and 1 <= factor < math.inf):
-        return f"{n_factor}={factor!r}): a slowdown factor is a finite number >= 1 (1.6: 1.6x slower)"
+    if not (
+        isinstance(factor, numbers.Real) and not isinstance(factor, bool) and 1 <= factor <= MAX_SLOWDOWN
+    ):
+        return (
+            f"{n_factor}={factor!r}): a slowdown factor is a number from 1 to {MAX_SLOWDOWN:g} (1.6: 1.6x "
+            "slower); a device slower than that is hung: kill the rank instead (a fail-stop)"
+        )
     if not whole(start) or start < 0:
         return f"{n_start}={start!r}): the first slow step, a whole number >= 0"
     if duration is not None and (not whole(duration) or duration < 1):
@@ -107,6 +117,10 @@ class SlowFault:
         problem = fault_range_error(self.rank, self.factor, self.start, self.duration)
         if problem:
             raise ValueError(f"{type(self).__name__}({problem}")
+        for name, kind in (("rank", int), ("factor", float), ("start", int)):  # numpy scalars as Python's
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        if self.duration is not None:
+            object.__setattr__(self, "duration", int(self.duration))
 
     def factor_at(self, rank: int, step: int) -> float:
         if rank != self.rank or step < self.start:
@@ -142,6 +156,10 @@ class RuntimeConfig:
     iteration_threshold: float = 0.10
     """The baseline rule reported alongside: alarm when an iteration exceeds its trailing median by this."""
     seed: int = 0
+    probe_every: int = 10
+    """A rank judged so slow that the plan gives it no microbatch gets the cheapest one after this many
+    steps without work, so that it can show it has recovered (a sweep: a rank judged 20x slow for 3 steps
+    never ran again, a quarter of the job lost); 0: never."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.emulate, bool) or not isinstance(self.adapt, bool):
@@ -164,22 +182,30 @@ class RuntimeConfig:
         for name, value, rule, ok in checks:
             if not isinstance(value, int | float) or isinstance(value, bool) or not ok(value):
                 raise ValueError(f"RuntimeConfig.{name} must be a finite number {rule}, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"RuntimeConfig.seed must be a whole number >= 0, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(
+                f"RuntimeConfig.seed must be a whole number >= 0 (below 2**63), got {self.seed!r}"
+            )
+        p = self.probe_every
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"RuntimeConfig.probe_every must be a whole number of steps >= 0, got {p!r}")
         if not isinstance(self.detector, ResiHPConfig) or not isinstance(self.predictor, PredictorConfig):
             raise TypeError("RuntimeConfig: detector is a ResiHPConfig and predictor a PredictorConfig")
 
 
-def _check_lengths(lengths: Any, what: str) -> None:
-    """A microbatch: a non-empty list (or array) of sequence lengths, each a whole number >= 1."""
+def _check_lengths(lengths: Any, what: str) -> list[int]:
+    """A microbatch: a non-empty list (or array, or 1-d integer tensor) of sequence lengths, each a whole
+    number >= 1; returned as Python ints (numpy's int32 overflowed the batch digest; a tensor's elements
+    were refused, a sweep found)."""
     if isinstance(lengths, numbers.Number | str) or not hasattr(lengths, "__iter__"):
         raise TypeError(
             f"{what}: a microbatch is the list of its sequences' lengths (e.g. [1024, 512]), "
             f"got {lengths!r}; assign() takes a list of them: [[1024, 512], [2048]]"
         )
-    values = list(lengths)
+    values = [n.item() if isinstance(n, torch.Tensor) and n.ndim == 0 else n for n in lengths]
     if not values or any(not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1 for n in values):
         raise ValueError(f"{what}: each sequence length must be a whole number >= 1, got {values!r}")
+    return [int(n) for n in values]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -267,6 +293,16 @@ class Runtime:
                 f"Runtime(stage={stage!r}): the cost model of the whole model, a StageModel, e.g. "
                 "steptune.resilience.live.stage_model('llama3.1-8b')"
             )
+        if group is None:  # torch's convention: the default group
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise ValueError(
+                    "Runtime(group=None) means the default process group, and there is none: call "
+                    "torch.distributed.init_process_group(...) first (torchrun sets its environment), or "
+                    "pass a group"
+                )
+            group = dist.group.WORLD
         self.group = group
         self.rank, self.world = group.rank(), group.size()
         self.stage = stage
@@ -295,6 +331,7 @@ class Runtime:
         self.detector = ResiHPDetector(self.config.detector)
         self.threshold = IterationThreshold(self.config.iteration_threshold)
         self.speeds = [1.0] * self.world
+        self._idle = [0] * self.world  # steps each rank has run no microbatch (identical on every rank)
         self.step = 0
         self.reports: list[StepReport] = []
         self._rng = np.random.default_rng((self.config.seed, self.rank))
@@ -318,14 +355,25 @@ class Runtime:
     def assign(self, microbatches: Sequence[Sequence[int]]) -> list[int]:
         """Indices of this step's microbatches this rank runs (FLOPs- and speed-aware LPT). Each
         microbatch is the list of its sequences' lengths: ``[[1024, 512], [2048]]``."""
-        for i, mb in enumerate(microbatches):
-            _check_lengths(mb, f"microbatch {i}")
+        if isinstance(microbatches, numbers.Number | str) or not hasattr(microbatches, "__iter__"):
+            raise TypeError(f"assign() takes a list of microbatches such as [[1024, 512], [2048]], got "
+                            f"{microbatches!r}")  # fmt: skip
+        microbatches = [_check_lengths(mb, f"microbatch {i}") for i, mb in enumerate(microbatches)]
         self._tokens = sum(sum(mb) for mb in microbatches)
         # the counts, and a CRC of the lengths in order: a batch regrouped or permuted has the same counts
         # (found in a sweep: [[100, 200], [300]] vs [[100], [200, 300]] left the 200 on no rank)
-        layout = zlib.crc32(repr([[int(n) for n in mb] for mb in microbatches]).encode())
+        layout = zlib.crc32(repr(microbatches).encode())
         self._batch = (len(microbatches), self._tokens, sum(n * n for mb in microbatches for n in mb), layout)
-        return lpt_assign([self.cost(mb) for mb in microbatches], self.speeds)[self.rank]
+        costs = [self.cost(mb) for mb in microbatches]
+        plan = lpt_assign(costs, self.speeds)
+        every = self.config.probe_every
+        for r in range(self.world):  # a probe: a rank left idle this long gets the cheapest microbatch
+            donors = [d for d in range(self.world) if len(plan[d]) > 1]
+            if every and not plan[r] and self._idle[r] >= every and donors:
+                _, i, d = min((costs[i], i, d) for d in donors for i in plan[d])
+                plan[d].remove(i)
+                plan[r].append(i)
+        return plan[self.rank]
 
     # -- timing --------------------------------------------------------------------------------------
     def slowdown(self) -> float:
@@ -351,7 +399,7 @@ class Runtime:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
         if not phases or any(ph not in ("F", "B", "W") for ph in phases):
             raise ValueError(f"timed(phases={phases!r}): one or more of 'F', 'B', 'W'")
-        _check_lengths(lengths, "timed(lengths)")
+        lengths = _check_lengths(lengths, "timed(lengths)")
         if self._open:
             raise RuntimeError(
                 "timed() blocks do not nest: each times one microbatch; close the outer one first"
@@ -521,10 +569,19 @@ class Runtime:
 
     def _gather(self) -> list[list[tuple[float, float, float]]]:
         # each rank's sample count, and a digest of the batch its assign() saw (exact in float64)
-        counts = torch.tensor([float(len(self._samples)), *self._batch], dtype=torch.float64)
-        every = [torch.zeros(5, dtype=torch.float64) for _ in range(self.world)]
+        # ... and of the plan (the speeds this step's assign() used): ranks configured differently
+        # (adapt on some only) planned apart and ran microbatches twice or not at all (a sweep)
+        plan = float(zlib.crc32(repr(self.speeds).encode()))
+        counts = torch.tensor([float(len(self._samples)), *self._batch, plan], dtype=torch.float64)
+        every = [torch.zeros(6, dtype=torch.float64) for _ in range(self.world)]
         self._allgather(every, counts)
-        _check_same_batch(self.step, [tuple(map(float, e[1:])) for e in every])
+        _check_same_batch(self.step, [tuple(map(float, e[1:5])) for e in every])
+        if len({float(e[5]) for e in every}) > 1:
+            raise ValueError(
+                f"step {self.step}: the ranks plan with different speeds (this rank: {self.speeds}): each "
+                "plans from its own copy, so every rank must run the same RuntimeConfig (adapt, detector, "
+                "predictor) and the same faults"
+            )
         width = int(max(c[0].item() for c in every)) or 1
         mine = torch.zeros(width, 3, dtype=torch.float64)
         if self._samples:
@@ -589,6 +646,7 @@ class Runtime:
         self._last = now
         per_rank = self._gather()
         self._samples = []
+        self._idle = [0 if s else n + 1 for s, n in zip(per_rank, self._idle, strict=True)]
         compute = tuple(sum(t for _, _, t in s) for s in per_rank)
         predicted: tuple[float, ...] | None = None
         if self.predictor.ready("fb"):

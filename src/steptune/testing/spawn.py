@@ -108,11 +108,17 @@ class SpawnPool:
         self._task_ids = itertools.count()
         self.num_spawns = 0
 
+    close_grace_s = 5.0
+    """How long ``close`` waits for the ranks to leave, all together, before killing them."""
+
     def __enter__(self) -> SpawnPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt | SystemExit):
+            self._kill()  # Ctrl-C or SIGTERM: busy ranks would not see the stop request; end them now
+        else:
+            self.close()
 
     def _start(self) -> None:
         self._store = master_store()
@@ -152,8 +158,9 @@ class SpawnPool:
     def close(self) -> None:
         for q in self._tasks:
             q.put(None)
+        deadline = time.monotonic() + self.close_grace_s  # for all ranks together (was 5 s each, in turn)
         for p in self._procs:
-            p.join(5)
+            p.join(max(0.0, deadline - time.monotonic()))
         self._kill()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:

@@ -184,8 +184,8 @@ def test_config_and_faults_out_of_range_are_refused_where_they_are_made():
         with pytest.raises(ValueError, match=says):
             make(**kw)
     for kw, says in (
-        ({"factor": float("inf")}, "finite number >= 1"),  # slept forever in step 1 before
-        ({"factor": 0.5}, "finite number >= 1"),
+        ({"factor": float("inf")}, "a number from 1 to 1000"),  # slept forever in step 1 before
+        ({"factor": 0.5}, "a number from 1 to 1000"),
         ({"start": -5}, "whole number >= 0"),
         ({"duration": 0}, "whole number >= 1"),
         ({"rank": 0.5}, "a rank is a whole number"),
@@ -288,3 +288,30 @@ def test_overlapping_comm_groups_are_judged_apart():
     assert rt._comm_group([2, 0]) == rt._comm_group([0, 2]) and rt._comm_group(None) == rt._comm_group(
         range(4)
     )
+
+
+def test_a_rank_left_without_work_gets_a_probe_microbatch():
+    # A sweep: a rank judged 20x slow got no microbatch, so it never showed it had healed (a quarter of the
+    # job lost from step 16 to the end)
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.runtime import Runtime, RuntimeConfig
+
+    class _Second(_Four):
+        def rank(self) -> int:
+            return 1
+
+    batch = [[512]] * 7 + [[256]]
+    rt = Runtime(_Second(), stage_model())
+    rt.speeds = [1.0, 0.01, 1.0, 1.0]
+    assert rt.assign(batch) == []
+    rt._idle[1] = 9
+    assert rt.assign(batch) == []
+    rt._idle[1] = 10
+    assert rt.assign(batch) == [7]  # the cheapest microbatch, once it has idled 10 steps
+    never = Runtime(_Second(), stage_model(), RuntimeConfig(probe_every=0))
+    never.speeds, never._idle = [1.0, 0.01, 1.0, 1.0], [0, 100, 0, 0]
+    assert never.assign(batch) == []
+    with pytest.raises(ValueError, match="probe_every"):
+        RuntimeConfig(probe_every=-1)
+    with pytest.raises(ValueError, match=r"below 2\*\*63"):
+        RuntimeConfig(seed=2**64)
