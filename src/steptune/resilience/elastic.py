@@ -408,7 +408,9 @@ def _outcome(orig: int, spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
                 ) from exc
             result = None
         info = {"result": result, "generation": ctx.generation, "recoveries": ctx.recoveries}
-        pickle.dumps(info)  # the queue pickles in a thread of its own, whose failure reaches only stderr
+        # What finish sends: the plain pickler's bytes (tensors copied, not shared by file descriptor).
+        # Checked here, where a failure becomes this rank's error that stops the job with its traceback.
+        pickle.dumps(info)
     except Exception:
         return {"error": traceback.format_exc()}
     return info

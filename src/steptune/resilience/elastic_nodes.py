@@ -37,7 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from steptune.core.dist import DeadlineStore, StoreUnanswered
-from steptune.resilience.failstop import Coordinator
+from steptune.resilience.failstop import Coordinator, received
 
 __all__ = ["launch_nodes"]
 
@@ -231,7 +231,7 @@ def launch_nodes(
             # then read from the queue first (its result was in the pipe before it exited).
             exited = [r for r, p in procs.items() if r not in reported and not p.is_alive()]
             try:
-                rank, _, info = out.get(timeout=0.05)
+                rank, _, info = received(out, 0.05)
                 if "error" in info:
                     store.set(f"error/{rank}", info["error"])
                 else:

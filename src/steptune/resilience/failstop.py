@@ -27,6 +27,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -51,6 +52,7 @@ __all__ = [
     "doomed",
     "finish",
     "hang_seconds",
+    "received",
     "run_failstop",
     "split_sync",
 ]
@@ -60,14 +62,25 @@ def finish(out: Any, item: Any) -> NoReturn:
     """End a rank: put its result on ``out``, run the ``atexit`` handlers, and exit without tearing down
     the interpreter. Freeing the rank's gloo groups (and a DDP on them) at a normal exit has aborted the
     process ("Resource deadlock avoided") before the queue had sent the result, so that the launcher took a
-    finished rank for a dead one (docs/resilience.md, 2026-12-03)."""
-    out.put(item)
+    finished rank for a dead one (docs/resilience.md, 2026-12-03).
+
+    The item goes as bytes of the plain pickler (``received`` reads it back): the queue's own pickler
+    (torch's ForkingPickler) sends a tensor's storage as a file descriptor that the receiver fetches from
+    this process, which has exited by then, so a result holding a tensor was lost (ConnectionResetError,
+    FileNotFoundError, EOFError in ``rebuild_storage_fd``). The plain pickler copies the storage."""
+    out.put(pickle.dumps(item))
     out.close()
     out.join_thread()  # the result is in the pipe
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def received(out: Any, timeout: float) -> Any:
+    """The next item a rank's ``finish`` put on ``out`` (``queue.Empty`` after ``timeout`` seconds)."""
+    item = out.get(timeout=timeout)
+    return pickle.loads(item) if isinstance(item, bytes) else item
 
 
 def _train_step(model: nn.Module, opt: Any, group: Any, rank: int, world: int, seed: int, step: int,
@@ -371,7 +384,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
             # read from the queue first (its result was in the pipe before it exited).
             exited = [r for r in alive if not procs[r].is_alive() and r not in finished]
             try:
-                rank, losses, info = out.get(timeout=0.05)
+                rank, losses, info = received(out, 0.05)
                 if rank not in alive:  # killed as hung (lost) after it had put this: not a survivor
                     continue
                 if "error" in info:  # the worker's own code raised: not a death for the others to survive
