@@ -213,7 +213,7 @@ class Elastic:
         # process, which the launcher took for a death: the odd rank "survived" alone.
         h = float(zlib.crc32(repr([tuple(p.shape) for p in params]).encode()) & 0xFFFFF)
         head = torch.tensor([value, h, h * h, 1.0], dtype=torch.float64)
-        self.all_reduce(head)
+        self._reduce(head)
         if head[3] * head[2] != head[1] * head[1]:
             raise RuntimeError(
                 f"ctx.sync on rank {self.orig}, step {self._step}: the ranks' models have different "
@@ -223,7 +223,7 @@ class Elastic:
         flat, keep = pack_grads(params)  # local work stays outside: its errors are not a peer's death
         dtype, device = flat.dtype, flat.device
         has = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=device)
-        flat = self.all_reduce(torch.cat([flat, has]))  # which parameters got a gradient on some rank
+        flat = self._reduce(torch.cat([flat, has]))  # which parameters got a gradient on some rank
         unpack_grads(params, flat[: flat.numel() - len(params)], keep)
         for p, n in zip(params, flat[flat.numel() - len(params) :].tolist(), strict=True):
             if n == 0:  # no rank computed one: None as in one process, so AdamW skips it
@@ -243,7 +243,31 @@ class Elastic:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """SUM ``tensor`` in place over the survivors (for metrics or your own synchronisation). Raises
-        ``PeerLost`` if a peer died."""
+        ``PeerLost`` if a peer died. The ranks first agree on the tensor's element count, dtype and device
+        (one small all-reduce more): a tensor that differs across ranks, or that gloo cannot reduce (a
+        meta tensor), raises ``ValueError`` on every rank, which stops the job. Before, gloo's error was
+        taken for a peer's death and every step was recovered from again, silently."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"ctx.all_reduce takes a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"ctx.all_reduce on rank {self.orig}, step {self._step}: a tensor on device "
+                f"{tensor.device.type!r} cannot be reduced (gloo takes cpu and cuda tensors)"
+            )
+        what = (tensor.numel(), str(tensor.dtype), tensor.device.type, str(tensor.layout))
+        h = float(zlib.crc32(repr(what).encode()) & 0xFFFFF)
+        head = self._reduce(torch.tensor([h, h * h, 1.0], dtype=torch.float64))
+        if head[2] * head[1] != head[0] * head[0]:  # all ranks equal iff n * sum(h^2) == sum(h)^2
+            raise ValueError(
+                f"ctx.all_reduce on rank {self.orig}, step {self._step}: the ranks passed tensors that "
+                f"differ in element count, dtype, device or layout (here {what[0]} elements, {what[1]}, "
+                f"{what[2]}, {what[3]}); every rank must pass the same kind of tensor (pad a per-rank "
+                "share to a common size, e.g. a sum and a count)"
+            )
+        return self._reduce(tensor)
+
+    def _reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """SUM ``tensor`` in place over the group, unchecked (``sync`` checks its own)."""
         if self._group is None:
             raise RuntimeError(
                 "the group is gone after a peer's death: call ctx.sync / ctx.all_reduce inside "

@@ -186,6 +186,7 @@ def split_sync(spec: dict[str, Any], orig: int, step: int, gen: int) -> Iterator
 
 
 _MAX_IDLE_RELISTS = 3
+_MAX_IDLE_STEPS = 6
 
 
 def hang_seconds(group_timeout_s: float) -> float:
@@ -216,6 +217,7 @@ class Coordinator:
         self.gen = 0
         self.listed = sorted(ranks)  # the last member list written (generation ``gen``)
         self._idle: tuple[int, int] = (-1, 0)  # (step, count) of relists in a row with nobody dead
+        self._idle_steps: tuple[int, int] = (-1, 0)  # (first step, count) of such relists in steps in a row
         self._formed_gen = 0  # the last generation known formed (formed is final)
         self._silent_since: tuple[int, float] | None = None  # (generation, when) a rank first announced
 
@@ -250,14 +252,15 @@ class Coordinator:
                 "their stderr): not a death to survive, so the job is stopped"
             )
         if self.survive:
-            self._idle = (-1, 0)
+            self._idle, self._idle_steps = (-1, 0), (-1, 0)
             self.relist()
 
     def tick(self) -> None:
         """Between events: a peer that was only slow past the group timeout makes every rank see a
         collective fail and rejoin although nobody died; list them all again (a death would leave one
         silent: not listed here). The same failure at the same step every time is no fail-stop: after
-        ``_MAX_IDLE_RELISTS`` such relists in a row the job is stopped."""
+        ``_MAX_IDLE_RELISTS`` such relists in a row the job is stopped; so is one in each of
+        ``_MAX_IDLE_STEPS`` steps in a row."""
         waiting = self.alive - self.finished
         if not self.survive or not waiting:
             return
@@ -276,7 +279,17 @@ class Coordinator:
                 "not a fail-stop (a collective that can never complete, e.g. tensors of different shapes "
                 "on different ranks, or a peer slower than the group timeout every time)"
             )
-        self._idle = (step, count)
+        # The same failure in every step, the step advancing each time (a collective after the optimizer
+        # step that fails on every rank): one relist per step, never the same step three times.
+        first, run = self._idle_steps
+        first, run = (first, run + 1) if run and self._idle[0] <= step <= self._idle[0] + 1 else (step, 1)
+        if run > _MAX_IDLE_STEPS:
+            raise RuntimeError(
+                f"every rank failed a collective in each of steps {first}..{step} ({run} relists in a row) "
+                "with no rank dead: not a fail-stop (a collective that fails on every rank every step, "
+                "e.g. a local error in it, or a peer slower than the group timeout every step)"
+            )
+        self._idle, self._idle_steps = (step, count), (first, run)
         self.relist()
 
     def _watch_silent(self, waiting: set[int], next_count: int) -> None:

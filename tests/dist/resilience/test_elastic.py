@@ -365,3 +365,20 @@ def test_tensors_in_a_result_come_back_although_the_rank_has_exited():
             out = res["results"][rank]
             assert torch.equal(out["w"], torch.full((3, 1000), float(rank))), res
             assert out["b"].tolist() == [0, 1, 2, 3] and out["empty"].numel() == 0, res
+
+
+def _metric_of_shard_size(ctx: Elastic, steps: int) -> int:
+    model = nn.Linear(2, 1)
+    ctx.track(model)
+    while ctx.step < steps:
+        with ctx.attempt():
+            ctx.all_reduce(torch.ones(len(ctx.shard(8))))  # 3, 3, 2 items on 3 ranks: a user's bug
+    return ctx.step
+
+
+def test_tensors_that_differ_across_ranks_in_all_reduce_stop_the_job_with_the_users_error():
+    # Before, gloo's error was taken for a peer's death: a recovery every step, rc 0, no message.
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=r"rank \d raised(.|\n)*ranks passed tensors that differ"):
+        launch(_metric_of_shard_size, 3, 4, group_timeout_s=3.0, timeout_s=60)
+    assert time.time() - t0 < 40

@@ -114,6 +114,22 @@ def test_without_hang_s_a_silent_rank_is_waited_for_and_a_late_one_is_not_killed
     assert not killed and json.loads(store2.get("members/1")) == [0, 1] and coord.hung == {}
 
 
+def test_everyone_rejoining_with_nobody_dead_in_every_step_is_stopped_although_the_step_advances():
+    # A collective after the optimizer step that fails on every rank each step: before, one relist per step
+    # forever (never the same step three times), the job "finished" with rc 0.
+    store = master_store()
+    coord = Coordinator(store, {0, 1, 2})
+    for gen, step in enumerate((2, 3, 4, 6, 7, 8, 9, 10, 11), start=1):  # 4 -> 6: a step without one
+        _announce(store, gen, [0, 1, 2], step)
+        coord.tick()
+        assert json.loads(store.get(f"members/{gen}")) == [0, 1, 2]
+    _announce(store, 10, [0, 1, 2], 12)
+    with pytest.raises(
+        RuntimeError, match=r"in each of steps 6\.\.12 \(7 relists in a row\) with no rank dead"
+    ):
+        coord.tick()
+
+
 def test_a_rank_that_raised_stops_a_survival_job_but_not_the_restart_baseline():
     with pytest.raises(RuntimeError, match=r"ranks \[2\] exited with an exception"):
         Coordinator(master_store(), {0, 1, 2}).died({2: 1})
@@ -132,6 +148,14 @@ def test_a_local_error_in_sync_is_the_callers_not_a_peers_death():
         emb(torch.tensor([1])).sum().backward()
         ctx.sync(emb)
     assert not isinstance(info.value, PeerLost), info.value
+
+
+def test_a_tensor_gloo_cannot_reduce_in_all_reduce_is_the_callers_error_not_a_peers_death():
+    ctx = Elastic(master_store(), 0, [0], timeout_s=5)
+    ctx.track(torch.nn.Linear(2, 1))
+    with pytest.raises(ValueError, match="device 'meta' cannot be reduced"), ctx.attempt():
+        ctx.all_reduce(torch.ones(2, device="meta"))
+    assert ctx.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
 
 
 class _Counting:
