@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
+import io
 import json
 import multiprocessing as mp
 import os
@@ -68,6 +70,7 @@ def finish(out: Any, item: Any) -> NoReturn:
     (torch's ForkingPickler) sends a tensor's storage as a file descriptor that the receiver fetches from
     this process, which has exited by then, so a result holding a tensor was lost (ConnectionResetError,
     FileNotFoundError, EOFError in ``rebuild_storage_fd``). The plain pickler copies the storage."""
+    _flush_open_files()  # before the result: the launcher kills a rank still running once it has them all
     out.put(pickle.dumps(item))
     out.close()
     out.join_thread()  # the result is in the pipe
@@ -75,6 +78,22 @@ def finish(out: Any, item: Any) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _flush_open_files() -> None:
+    """Flush every open Python file object, as an interpreter's exit would (``os._exit`` does not): lines a
+    training function wrote to a file it left open (a module-level log) were lost. Text files first: their
+    flush writes into the binary buffer under them, flushed next. Files stay open: ``atexit`` handlers
+    may still write to them, but what they write is only flushed if the launcher lets the rank live that
+    long."""
+    files = [o for o in gc.get_objects() if isinstance(o, io.IOBase)]
+    files.sort(key=lambda f: not isinstance(f, io.TextIOBase))
+    for f in [sys.stdout, sys.stderr, *files]:
+        try:
+            if f is not None and not f.closed:
+                f.flush()
+        except Exception:  # detached, a broken pipe, a full disk: flush the others anyway
+            continue
 
 
 def received(out: Any, timeout: float) -> Any:

@@ -382,3 +382,22 @@ def test_tensors_that_differ_across_ranks_in_all_reduce_stop_the_job_with_the_us
     with pytest.raises(RuntimeError, match=r"rank \d raised(.|\n)*ranks passed tensors that differ"):
         launch(_metric_of_shard_size, 3, 4, group_timeout_s=3.0, timeout_s=60)
     assert time.time() - t0 < 40
+
+
+_OPEN_LOGS = []  # module-level: the files outlive the training function, as a global log handle does
+
+
+def _logs_to_an_open_file(ctx: Elastic, path: str) -> str:
+    log = open(f"{path}.{ctx.orig}", "w")  # noqa: SIM115 - left open on purpose
+    _OPEN_LOGS.append(log)
+    for step in range(3):
+        print(f"step {step}", file=log)
+    return "ok"
+
+
+def test_lines_written_to_a_file_the_function_left_open_are_flushed_when_the_rank_ends(tmp_path):
+    # finish() ends a rank with os._exit, after atexit and stdout/stderr only: the file's lines were lost.
+    res = launch(_logs_to_an_open_file, 2, str(tmp_path / "log"), timeout_s=60)
+    assert res["results"] == {0: "ok", 1: "ok"}, res
+    for rank in (0, 1):
+        assert (tmp_path / f"log.{rank}").read_text() == "step 0\nstep 1\nstep 2\n"
