@@ -85,6 +85,14 @@ def test_a_file_shadowed_or_broken_and_misplaced_options_are_named(tmp_path, cap
     assert json.loads(out.read_text())["results"] == {"0": ["--nproc-per-node", "2"]}
 
 
+def test_json_over_the_training_script_is_refused_before_any_rank_starts(tmp_path, capsys):
+    script = tmp_path / "victim_loop.py"
+    script.write_text(TRAIN)
+    assert main(["resilience", "elastic", "--json", str(script), f"{script}:train", "2"]) == 2
+    assert "--target and --json name the same file" in capsys.readouterr().err
+    assert script.read_text() == TRAIN  # before, the results replaced the script
+
+
 def test_no_survivors_lists_how_each_rank_ended(tmp_path, capsys):
     """It said "their stderr says why", but a SIGKILLed rank writes no stderr."""
     script = tmp_path / "elastic_cli_all_die.py"

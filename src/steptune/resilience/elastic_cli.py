@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import output_file, positive_float, positive_int
+from steptune.core.argtypes import distinct_paths, output_file, positive_float, positive_int
 
 __all__ = ["register"]
 
@@ -67,6 +67,8 @@ def _run(args: argparse.Namespace) -> int:
     from steptune.resilience.elastic import launch, lost_reason, recovery_text
 
     fn = resolve(args.target)
+    where = args.target.rpartition(":")[0]
+    distinct_paths(target=where if where.endswith(".py") else None, json=args.json)  # --json over the script
     fn_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
     ours = {s for a in args._parser._actions for s in a.option_strings}
     misplaced = [a for a in fn_args if a.split("=", 1)[0] in ours]
