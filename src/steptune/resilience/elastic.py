@@ -121,6 +121,7 @@ class Elastic:
         self._failed = False
         self._recovering = False
         self._synced = False  # ctx.sync ran in this attempt
+        self._in_attempt = False  # inside ctx.attempt()
         self._comm_failed = False  # a ctx.ddp all-reduce failed in this attempt
         self._ddps: list[weakref.ref[Any]] = []
         self._works: list[Any] = []  # ctx.ddp's all-reduces in this attempt (waited for before freeing)
@@ -200,6 +201,11 @@ class Elastic:
         (0.0 without one). Gradients travel in fp32 (fp64 if a parameter is; one message) and come back in
         their own dtype. Raises
         ``PeerLost`` if a peer died (``attempt`` handles it)."""
+        if not self._in_attempt:
+            raise RuntimeError(
+                "ctx.sync outside ctx.attempt(): call it inside `with ctx.attempt():` (one attempt per step, "
+                "see the module docstring), which recovers from a peer's death and ends the step"
+            )
         if self._synced:
             raise RuntimeError(
                 "ctx.sync ran twice in one ctx.attempt(): the second would sum the summed gradients again "
@@ -302,6 +308,7 @@ class Elastic:
             self._store.set(f"attempt/{self.orig}", str(self._step))
         self._synced = self._comm_failed = False
         self._works.clear()  # the last attempt's all-reduces, all complete (it succeeded)
+        self._in_attempt = True
         try:
             yield
         except PeerLost:
@@ -315,6 +322,8 @@ class Elastic:
             # For the launcher: a rank past its peers' failed step is not hung when it stays silent.
             with contextlib.suppress(RuntimeError):  # a lost store shows at the next rejoin
                 self._store.set(f"progress/{self.orig}", str(self._step))
+        finally:
+            self._in_attempt = False
 
     def _versions(self) -> int:
         return sum(prm._version for prm in self._params)  # an optimizer step (any in-place write) bumps one

@@ -121,7 +121,9 @@ def test_sync_sums_mixed_dtype_gradients_in_fp32_and_returns_each_in_its_dtype()
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1).to(torch.bfloat16))
     model[0].weight.grad = torch.ones(2, 3)
     model[1].weight.grad = torch.full((1, 2), 0.5, dtype=torch.bfloat16)
-    assert ctx.sync(model, torch.tensor(2.0)) == 2.0
+    ctx.track(model)
+    with ctx.attempt():
+        assert ctx.sync(model, torch.tensor(2.0)) == 2.0
     assert model[1].weight.grad.dtype == torch.bfloat16 and model[1].weight.grad.tolist() == [[0.5, 0.5]]
     # no gradient on any rank: none, as in one process (it was zeros, which AdamW decayed and moved)
     assert model[0].bias.grad is None
@@ -270,6 +272,9 @@ def test_a_second_sync_in_one_attempt_is_refused():
     ctx.track(model)
     with pytest.raises(RuntimeError, match=r"ctx\.sync ran twice"), ctx.attempt():
         ctx.sync(model)
+        ctx.sync(model)
+    # Outside any attempt (a loop without one): before, the second step said "ran twice in one attempt"
+    with pytest.raises(RuntimeError, match=r"ctx\.sync outside ctx\.attempt\(\): call it inside `with ctx"):
         ctx.sync(model)
 
 
