@@ -89,7 +89,7 @@ def test_json_over_the_training_script_is_refused_before_any_rank_starts(tmp_pat
     script = tmp_path / "victim_loop.py"
     script.write_text(TRAIN)
     assert main(["resilience", "elastic", "--json", str(script), f"{script}:train", "2"]) == 2
-    assert "--target and --json name the same file" in capsys.readouterr().err
+    assert "is the training script" in capsys.readouterr().err
     assert script.read_text() == TRAIN  # before, the results replaced the script
 
 

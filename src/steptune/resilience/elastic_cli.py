@@ -4,14 +4,16 @@ torchrun runs a script, with fail-stop survival instead of restart-everything.""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from steptune.core.argtypes import distinct_paths, output_file, positive_float, positive_int
+from steptune.core.argtypes import output_file, positive_float, positive_int
 
 __all__ = ["register"]
 
@@ -68,7 +70,10 @@ def _run(args: argparse.Namespace) -> int:
 
     fn = resolve(args.target)
     where = args.target.rpartition(":")[0]
-    distinct_paths(target=where if where.endswith(".py") else None, json=args.json)  # --json over the script
+    if where.endswith(".py") and args.json and Path(where).resolve() == Path(args.json).resolve():
+        raise ValueError(  # the results replaced the training script (a sweep)
+            f"--json {args.json} is the training script {args.target} names: give --json another path"
+        )
     fn_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
     ours = {s for a in args._parser._actions for s in a.option_strings}
     misplaced = [a for a in fn_args if a.split("=", 1)[0] in ours]
@@ -97,11 +102,40 @@ def _run(args: argparse.Namespace) -> int:
             print(f"rank {rank}: {recovery_text(rec)}")
     print(f"survivors {res['survivors']}; {res['wall_s']:.1f} s")
     if args.json:
-        out = {**res, "results": {str(r): v for r, v in res["results"].items()}}
+        notes: list[str] = []
+        out = _jsonable({**res, "results": {str(r): v for r, v in res["results"].items()}}, "$", notes)
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1, default=repr))
-        print(f"wrote: {args.json}")
+        args.json.write_text(json.dumps(out, indent=1, allow_nan=False))
+        print(f"wrote: {args.json}" + (f" ({'; '.join(notes[:5])})" if notes else ""))
     return 0
+
+
+def _jsonable(x: Any, where: str, notes: list[str]) -> Any:
+    """``x`` as strict JSON: keys as strings, tuples and sets as lists, numpy and torch values as numbers or
+    lists, NaN and infinities as null (noted); anything else as its repr (noted). A sweep: tuple keys
+    raised after the job and lost its results, NaN was written, arrays became repr strings."""
+    if isinstance(x, bool) or x is None or isinstance(x, str | int):
+        return x
+    if isinstance(x, float):
+        if math.isfinite(x):
+            return x
+        notes.append(f"{where}: {x} written as null")
+        return None
+    if isinstance(x, dict):
+        return {
+            (k if isinstance(k, str) else str(k)): _jsonable(v, f"{where}[{k!r}]", notes)
+            for k, v in x.items()
+        }
+    if isinstance(x, list | tuple):
+        return [_jsonable(v, f"{where}[{i}]", notes) for i, v in enumerate(x)]
+    if isinstance(x, set | frozenset):
+        return [_jsonable(v, f"{where}[{i}]", notes) for i, v in enumerate(sorted(x, key=repr))]
+    tolist = getattr(x, "tolist", None)  # numpy arrays and scalars, torch tensors
+    if callable(tolist):
+        with contextlib.suppress(Exception):
+            return _jsonable(tolist(), where, notes)
+    notes.append(f"{where}: a {type(x).__name__} written as its repr")
+    return repr(x)
 
 
 def register(verbs: Any) -> None:

@@ -315,3 +315,23 @@ def test_a_rank_left_without_work_gets_a_probe_microbatch():
         RuntimeConfig(probe_every=-1)
     with pytest.raises(ValueError, match=r"below 2\*\*63"):
         RuntimeConfig(seed=2**64)
+
+
+def test_elastic_json_writes_what_a_training_function_returns_as_strict_json():
+    # A sweep: tuple keys raised after the job (results lost), NaN was written, arrays became repr strings
+    import json
+
+    import numpy as np
+    import torch
+
+    from steptune.resilience.elastic_cli import _jsonable
+
+    notes: list[str] = []
+    results = {(0, 1): 0.5, "nan": float("nan"), "a": np.arange(3), "t": torch.tensor([1.5]), "s": {3, 1},
+               "i": np.int64(7), "o": object}  # fmt: skip
+    got = _jsonable({"results": results}, "$", notes)
+    text = json.dumps(got, allow_nan=False)
+    assert json.loads(text)["results"] == {
+        "(0, 1)": 0.5, "nan": None, "a": [0, 1, 2], "t": [1.5], "s": [1, 3], "i": 7, "o": repr(object)
+    }  # fmt: skip
+    assert any("nan" in n and "null" in n for n in notes) and any("repr" in n for n in notes)
