@@ -32,6 +32,7 @@ import os
 import pickle
 import queue
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -86,7 +87,7 @@ def _flush_open_files() -> None:
     flush writes into the binary buffer under them, flushed next. Files stay open: ``atexit`` handlers
     may still write to them, but what they write is only flushed if the launcher lets the rank live that
     long."""
-    files = [o for o in gc.get_objects() if isinstance(o, io.IOBase)]
+    files = [o for o in gc.get_objects() if isinstance(o, io.IOBase) and _regular(o)]
     files.sort(key=lambda f: not isinstance(f, io.TextIOBase))
     for f in [sys.stdout, sys.stderr, *files]:
         try:
@@ -94,6 +95,14 @@ def _flush_open_files() -> None:
                 f.flush()
         except Exception:  # detached, a broken pipe, a full disk: flush the others anyway
             continue
+
+
+def _regular(f: io.IOBase) -> bool:
+    """A file on disk: a pipe or socket whose reader stopped could block the flush, and the result with it."""
+    try:
+        return stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+    except (OSError, ValueError):  # closed, detached, or no descriptor (an in-memory buffer)
+        return False
 
 
 def received(out: Any, timeout: float) -> Any:
@@ -301,7 +310,10 @@ class Coordinator:
         # The same failure in every step, the step advancing each time (a collective after the optimizer
         # step that fails on every rank): one relist per step, never the same step three times.
         first, run = self._idle_steps
-        first, run = (first, run + 1) if run and self._idle[0] <= step <= self._idle[0] + 1 else (step, 1)
+        if run and step == self._idle[0] + 1:  # the next step failed the same way
+            run += 1
+        elif not (run and step == self._idle[0]):  # (a repeat of the same step is counted above, not here)
+            first, run = step, 1
         if run > _MAX_IDLE_STEPS:
             raise RuntimeError(
                 f"every rank failed a collective in each of steps {first}..{step} ({run} relists in a row) "

@@ -159,7 +159,8 @@ class RuntimeConfig:
     probe_every: int = 10
     """A rank judged so slow that the plan gives it no microbatch gets the cheapest one after this many
     steps without work, so that it can show it has recovered (a sweep: a rank judged 20x slow for 3 steps
-    never ran again, a quarter of the job lost); 0: never."""
+    never ran again, a quarter of the job lost); 0: never. The wait doubles each time a probe finds it
+    still slow, and a probe is skipped while its predicted time exceeds half a step per step waited."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.emulate, bool) or not isinstance(self.adapt, bool):
@@ -331,7 +332,11 @@ class Runtime:
         self.detector = ResiHPDetector(self.config.detector)
         self.threshold = IterationThreshold(self.config.iteration_threshold)
         self.speeds = [1.0] * self.world
-        self._idle = [0] * self.world  # steps each rank has run no microbatch (identical on every rank)
+        # Per rank, identical on every rank: steps without a timed microbatch, the steps to wait before a
+        # probe (doubling while probes find the rank still slow), and whether this step's plan probed it
+        self._idle = [0] * self.world
+        self._probe_wait = [self.config.probe_every] * self.world
+        self._probed = [False] * self.world
         self.step = 0
         self.reports: list[StepReport] = []
         self._rng = np.random.default_rng((self.config.seed, self.rank))
@@ -366,13 +371,21 @@ class Runtime:
         self._batch = (len(microbatches), self._tokens, sum(n * n for mb in microbatches for n in mb), layout)
         costs = [self.cost(mb) for mb in microbatches]
         plan = lpt_assign(costs, self.speeds)
-        every = self.config.probe_every
+        makespan = max(sum(costs[i] for i in p) / v for p, v in zip(plan, self.speeds, strict=True))
+        self._probed = [False] * self.world
         for r in range(self.world):  # a probe: a rank left idle this long gets the cheapest microbatch
             donors = [d for d in range(self.world) if len(plan[d]) > 1]
-            if every and not plan[r] and self._idle[r] >= every and donors:
-                _, i, d = min((costs[i], i, d) for d in donors for i in plan[d])
-                plan[d].remove(i)
-                plan[r].append(i)
+            wait = self._probe_wait[r]
+            if not (wait and not plan[r] and self._idle[r] >= wait and donors):
+                continue
+            c, i, d = min((costs[i], i, d) for d in donors for i in plan[d])
+            # At most half a step's time per step waited: a probe of a rank still 20x slow cost 21% of the
+            # job every 10 steps, of one 1000x slow 16x (a review); the wait doubles while it stays slow.
+            if c / self.speeds[r] > 0.5 * wait * makespan:
+                continue
+            plan[d].remove(i)
+            plan[r].append(i)
+            self._probed[r] = True
         return plan[self.rank]
 
     # -- timing --------------------------------------------------------------------------------------
@@ -571,12 +584,13 @@ class Runtime:
         # each rank's sample count, and a digest of the batch its assign() saw (exact in float64)
         # ... and of the plan (the speeds this step's assign() used): ranks configured differently
         # (adapt on some only) planned apart and ran microbatches twice or not at all (a sweep)
-        plan = float(zlib.crc32(repr(self.speeds).encode()))
-        counts = torch.tensor([float(len(self._samples)), *self._batch, plan], dtype=torch.float64)
-        every = [torch.zeros(6, dtype=torch.float64) for _ in range(self.world)]
+        # (two weighted sums, compared within 1e-9: hosts whose BLAS differ in the last bit still agree)
+        plan = (sum(self.speeds), sum((r + 1) * v for r, v in enumerate(self.speeds)))
+        counts = torch.tensor([float(len(self._samples)), *self._batch, *plan], dtype=torch.float64)
+        every = [torch.zeros(7, dtype=torch.float64) for _ in range(self.world)]
         self._allgather(every, counts)
         _check_same_batch(self.step, [tuple(map(float, e[1:5])) for e in every])
-        if len({float(e[5]) for e in every}) > 1:
+        if any(not math.isclose(float(e[k]), plan[k - 5], rel_tol=1e-9) for e in every for k in (5, 6)):
             raise ValueError(
                 f"step {self.step}: the ranks plan with different speeds (this rank: {self.speeds}): each "
                 "plans from its own copy, so every rank must run the same RuntimeConfig (adapt, detector, "
@@ -674,6 +688,12 @@ class Runtime:
                         and compute[r] < self.config.detector.recover * predicted[r]
                     ):
                         self.speeds[r] = 1.0
+            for r in range(self.world):  # a probe that found the rank still slow: wait twice as long
+                if self._probed[r] and self.speeds[r] < 1.0:
+                    self._probe_wait[r] = min(2 * self._probe_wait[r], 10_000)
+                elif self.speeds[r] >= 1.0:
+                    self._probe_wait[r] = self.config.probe_every
+        self._probed = [False] * self.world
         if comm is not None:  # a group's collective is slower than its model on its ranks: find the link
             hits = self.comm_detector.observe(  # one unit a group: paced by its slowest link on every rank
                 self.step,

@@ -302,12 +302,18 @@ def test_a_rank_left_without_work_gets_a_probe_microbatch():
 
     batch = [[512]] * 7 + [[256]]
     rt = Runtime(_Second(), stage_model())
-    rt.speeds = [1.0, 0.01, 1.0, 1.0]
+    rt.speeds = [1.0, 0.05, 1.0, 1.0]
     assert rt.assign(batch) == []
     rt._idle[1] = 9
     assert rt.assign(batch) == []
     rt._idle[1] = 10
-    assert rt.assign(batch) == [7]  # the cheapest microbatch, once it has idled 10 steps
+    assert rt.assign(batch) == [7] and rt._probed[1]  # the cheapest microbatch, once it has idled 10 steps
+    # 100x slow: a probe would take more than half a step per step waited (a review: 1000x made the job 16x
+    # slower), so it waits until the wait has doubled enough
+    rt.speeds = [1.0, 0.01, 1.0, 1.0]
+    assert rt.assign(batch) == []
+    rt._idle[1] = rt._probe_wait[1] = 80
+    assert rt.assign(batch) == [7]
     never = Runtime(_Second(), stage_model(), RuntimeConfig(probe_every=0))
     never.speeds, never._idle = [1.0, 0.01, 1.0, 1.0], [0, 100, 0, 0]
     assert never.assign(batch) == []
