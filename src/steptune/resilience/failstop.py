@@ -87,7 +87,9 @@ def _flush_open_files() -> None:
     flush writes into the binary buffer under them, flushed next. Files stay open: ``atexit`` handlers
     may still write to them, but what they write is only flushed if the launcher lets the rank live that
     long."""
-    files = [o for o in gc.get_objects() if isinstance(o, io.IOBase) and _regular(o)]
+    # type(o), not isinstance(o, ...): isinstance reads o.__class__, which warns for torch's deprecated
+    # torch.distributed.reduce_op (a FutureWarning per rank in the demo)
+    files = [o for o in gc.get_objects() if issubclass(type(o), io.IOBase) and _regular(o)]
     files.sort(key=lambda f: not isinstance(f, io.TextIOBase))
     for f in [sys.stdout, sys.stderr, *files]:
         try:
