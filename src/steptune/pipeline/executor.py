@@ -284,8 +284,8 @@ class PipelineExecutor:
                 local[key] = tensor
             else:
                 shape, dtype = self.boundary[key[1] - 1 if key[0] == "f" else key[1]]
+                what = "output" if key[0] == "f" else "input gradient"
                 if tensor.dtype != dtype:  # the receiver's buffer is this dtype: bytes would be misread
-                    what = "output" if key[0] == "f" else "input gradient"
                     raise TypeError(
                         f"microbatch {key[2]}'s {what} at the boundary to stage {key[1]} is {tensor.dtype}, "
                         f"the boundary's is {dtype}: declare the dtype the stage really returns in "
@@ -293,7 +293,6 @@ class PipelineExecutor:
                     )
                 if tuple(tensor.shape) != tuple(shape):  # the peer's buffer is sized for this: it would
                     # compute on uninitialised memory (a short last microbatch; found in a 2026-12-05 sweep)
-                    what = "output" if key[0] == "f" else "input gradient"
                     raise ValueError(
                         f"microbatch {key[2]}'s {what} at the boundary to stage {key[1]} has shape "
                         f"{tuple(tensor.shape)}, the boundary's is {tuple(shape)}: every microbatch must "
