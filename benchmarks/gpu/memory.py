@@ -107,16 +107,29 @@ def peak_of(
 ) -> dict[str, Any]:
     """Peak allocated bytes of one step, gradients allocated beforehand (CUDA allocator on GPU,
     torch's MemTracker on CPU)."""
-    from steptune.memory.measure import head_peak_probe, measure_peak
+    from steptune.memory.measure import measure_peak, phase_probe
 
     head: list[int] = []
+    phases: list[int] = []
     if not cuda:
-        peak, static = measure_peak(model, batch, policy, plans=plans, head=head)
-        return {"peak_bytes": peak, "step_peak_above_start_bytes": peak - static, "head_peak_bytes": head[0]}
+        peak, static = measure_peak(model, batch, policy, plans=plans, head=head, phases=phases)
+        return {
+            "peak_bytes": peak,
+            "step_peak_above_start_bytes": peak - static,
+            "head_peak_bytes": head[0],
+            "phase_peaks_bytes": phases,
+        }
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     row: dict[str, Any] = {}
-    probe = head_peak_probe(model, None, torch.cuda.max_memory_allocated, head)
+
+    def mark() -> int:  # the peak of the phase that ends here; the next phase's starts from now
+        torch.cuda.synchronize()
+        phases.append(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        return phases[-1]
+
+    probe = phase_probe(model, None, mark, head, with_input=True)
     with apply_policy(model, policy, None, plans.get(policy)) as handle, probe:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -130,8 +143,9 @@ def peak_of(
         loss.backward()
         del loss
         row["head_peak_bytes"] = head[0] if head else None
-        torch.cuda.synchronize()
-        row["peak_bytes"] = torch.cuda.max_memory_allocated()
+        mark()
+        row["phase_peaks_bytes"] = phases
+        row["peak_bytes"] = max(phases)
         row["step_peak_above_start_bytes"] = row["peak_bytes"] - before
         if handle is not None:
             row["replayed_ops_per_step"] = handle.stats.replayed_ops
@@ -173,7 +187,12 @@ def measure_model(name: str, args: argparse.Namespace, device: torch.device) -> 
     last_free = last_free_row["peak_bytes"]
     replay = rows["tapesac_replay"]
     peak_model = calibrate(
-        profiles, replay["peak_bytes"], last_free, replay["head_peak_bytes"], last_free_row["head_peak_bytes"]
+        profiles,
+        replay["peak_bytes"],
+        last_free,
+        replay["head_peak_bytes"],
+        last_free_row["head_peak_bytes"],
+        last_free_row["phase_peaks_bytes"] if len(last_free_row["phase_peaks_bytes"]) == 3 else None,
     )
     out["profile_s"] = time.perf_counter() - t0
     # PyTorch's auto-SAC decision model (reproduced, steptune.memory.autosac) on the op costs

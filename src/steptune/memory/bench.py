@@ -84,12 +84,23 @@ def run_bench(
         plans[name] = auto_sac_context(auto_sac_decisions(block, budget))
         rows[name] = measure(name, plans)
     head_lf: list[int] = []
+    phases_lf: list[int] = []
     last_free, _ = measure_peak(
-        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}, head=head_lf
+        model,
+        batch,
+        "tapesac_plan",
+        plans={"tapesac_plan": last_free_plan(profiles)},
+        head=head_lf,
+        phases=phases_lf,
     )
     replay = rows["tapesac_replay"]
     peak_model = calibrate(
-        profiles, replay["peak_bytes"], last_free, replay["head_peak_bytes"], head_lf[0] if head_lf else None
+        profiles,
+        replay["peak_bytes"],
+        last_free,
+        replay["head_peak_bytes"],
+        head_lf[0] if head_lf else None,
+        phases_lf,
     )
     floor, top = rows["tapesac_replay"]["peak_bytes"], rows["no_ac"]["peak_bytes"]
     limits = {int(floor + f * (top - floor)) for f in fractions}

@@ -77,11 +77,17 @@ def _plan(args: argparse.Namespace) -> int:
     head: list[int] = []
     floor, _ = measure_peak(model, batch, "tapesac_replay", head=head)
     head_lf: list[int] = []
+    phases_lf: list[int] = []
     last_free, _ = measure_peak(
-        model, batch, "tapesac_plan", plans={"tapesac_plan": last_free_plan(profiles)}, head=head_lf
+        model,
+        batch,
+        "tapesac_plan",
+        plans={"tapesac_plan": last_free_plan(profiles)},
+        head=head_lf,
+        phases=phases_lf,
     )
     peak_model = calibrate(
-        profiles, floor, last_free, head[0] if head else None, head_lf[0] if head_lf else None
+        profiles, floor, last_free, head[0] if head else None, head_lf[0] if head_lf else None, phases_lf
     )
     if value <= 1.0:
         top, _ = measure_peak(model, batch, "no_ac")

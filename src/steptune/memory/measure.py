@@ -44,6 +44,7 @@ __all__ = [
     "max_abs_diff",
     "measure_peak",
     "measure_work",
+    "phase_probe",
     "single_thread",
     "time_policies",
 ]
@@ -187,11 +188,15 @@ def measure_peak(
     blocks: Any = None,
     plans: Mapping[str, Any] | None = None,
     head: list[int] | None = None,
+    phases: list[int] | None = None,
 ) -> tuple[int, int]:
     """``(peak, static)`` bytes of one forward+backward by torch's ``MemTracker`` (all live
     storages). Gradients are allocated before the step, as a training loop's are after its first
     step, so ``peak - static`` is the step's activation and temporary peak. ``head``, if given,
-    receives the peak before the last block's backward (see :func:`head_peak_probe`)."""
+    receives the peak before the last block's backward (see :func:`head_peak_probe`). ``phases``, if
+    given, receives each phase's own peak: before the last block's backward (the head), during it, and
+    after it (the other blocks); fewer when a boundary was not seen (a last block whose input needs no
+    gradient) or this torch's ``MemTracker`` cannot restart its peak."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     if getattr(model, "_tapesac", None) is not None:  # a sweep: no_ac gave the replay-only peak, and
@@ -201,12 +206,12 @@ def measure_peak(
             "TapeSAC: call .remove() on its handle first (measure_peak applies each policy itself)"
         )
     with grads_kept(model):
-        return _measure_peak(model, batch, policy, blocks, plans, head, MemTracker)
+        return _measure_peak(model, batch, policy, blocks, plans, head, phases, MemTracker)
 
 
 def _measure_peak(
     model: nn.Module, batch: Mapping[str, Any], policy: str, blocks: Any, plans: Mapping[str, Any] | None,
-    head: list[int] | None, MemTracker: Any,
+    head: list[int] | None, phases: list[int] | None, MemTracker: Any,
 ) -> tuple[int, int]:  # fmt: skip
     for p in model.parameters():
         if p.requires_grad:
@@ -221,12 +226,42 @@ def _measure_peak(
         def so_far() -> int:
             return max(int(d["Total"]) for d in tracker.get_tracker_snapshot("peak").values())
 
-        probe = head_peak_probe(model, blocks, so_far, head) if head is not None else contextlib.nullcontext()
+        marks: list[int] = []
+        restart = _peak_restarter(tracker) if phases is not None else None
+
+        def mark() -> int:
+            marks.append(so_far())
+            if restart is not None:
+                restart()
+            return marks[-1]
+
+        probe = (
+            phase_probe(model, blocks, mark, head, with_input=restart is not None)
+            if head is not None or phases is not None
+            else contextlib.nullcontext()
+        )
         with _quiet_mod_tracker(), tracker, probe:
             _loss(model, batch).backward()
-        snapshot = tracker.get_tracker_snapshot("peak")
+        marks.append(so_far())
     model.zero_grad(set_to_none=True)
-    return max(int(per_device["Total"]) for per_device in snapshot.values()), sum(storages.values())
+    if phases is not None and restart is not None:
+        phases.extend(marks)
+    return max(marks), sum(storages.values())
+
+
+def _peak_restarter(tracker: Any) -> Callable[[], None] | None:
+    """A function that starts ``tracker``'s peak again from the current usage (what ``MemTracker``'s own
+    ``__enter__`` does), so each phase's peak is read apart; None where this torch's tracker lacks the
+    attributes (the phases are then not measured)."""
+    if not (hasattr(tracker, "_peak_mem") and hasattr(tracker, "_peak_mem_snap")):
+        return None
+
+    def restart() -> None:
+        snap = tracker.get_tracker_snapshot("current")
+        tracker._peak_mem_snap = snap
+        tracker._peak_mem = {dev: dev_snap["Total"] for dev, dev_snap in snap.items()}
+
+    return restart
 
 
 @contextlib.contextmanager
@@ -255,18 +290,48 @@ def head_peak_probe(
     output: the forward, the loss and the head's backward are done, and no block has replayed yet.
     The step peak can sit there (a large vocabulary's logits) rather than in a block's backward, and
     then keeping a value does not shrink it by the replay it saves (the peak model's ``head``)."""
+    with phase_probe(model, blocks, read_peak, out, with_input=False):
+        yield
+
+
+@contextlib.contextmanager
+def phase_probe(
+    model: nn.Module, blocks: Any, mark: Callable[[], int], head: list[int] | None, with_input: bool
+) -> Iterator[None]:
+    """Call ``mark()`` (which reads the peak so far and starts the next phase's) when the gradient reaches
+    the last block's output (its value goes to ``head``) and,
+    ``with_input``, when it reaches the last block's input (the last block's backward is done: in
+    a plan that keeps all of its values, the other blocks' kept values are alive there but nothing
+    replays, so its peak is not a replaying block's, found in a sweep)."""
     last = find_blocks(model, blocks)[-1][1]
+
+    def at_output(_grad: torch.Tensor) -> None:
+        value = mark()
+        if head is not None:
+            head.append(value)
+
+    def at_input(_grad: torch.Tensor) -> None:
+        mark()
 
     def on_output(_module: nn.Module, _args: Any, output: Any) -> None:
         t = output[0] if isinstance(output, (tuple, list)) else output
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(lambda grad: out.append(read_peak()))
+            t.register_hook(at_output)
 
-    handle = last.register_forward_hook(on_output)
+    def on_input(_module: nn.Module, args: Any, kwargs: Any) -> None:
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(at_input)
+                return
+
+    handles = [last.register_forward_hook(on_output)]
+    if with_input:
+        handles.append(last.register_forward_pre_hook(on_input, with_kwargs=True))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def _static_tensors(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:

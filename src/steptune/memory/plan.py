@@ -67,6 +67,14 @@ class PeakModel:
     size. None: not measured (the prediction then assumes the peak is in a block's backward)."""
     head_last_free: int | None = None
     """The same for the calibration step whose last block keeps everything; None: not measured."""
+    last_phase_last_free: int | None = None
+    """That step's own peak during the last block's backward (``measure_peak(..., phases=)``): every
+    other block's kept values are alive there and nothing replays. None: not measured."""
+    rest_last_free: int | None = None
+    """That step's own peak after the last block's backward, where the other blocks replay; None: not
+    measured. With both measured, a plan whose last block keeps everything is priced per phase (one
+    ``base_last_free`` over-credited the working set where the last block's phase held the peak: plans
+    went over their limit by one gradient's bytes, found in a sweep)."""
 
     def predict(
         self,
@@ -88,7 +96,22 @@ class PeakModel:
                 "this peak model was not calibrated with the last block kept; pass last_free_peak"
             )
         head_lf = -1 if self.head_last_free is None else self.head_last_free + kept
+        if self.last_phase_last_free is not None and self.rest_last_free is not None:
+            rest = _rest_work(profiles, keeps)
+            return max(
+                head_lf,
+                self.last_phase_last_free + kept,
+                self.rest_last_free - _rest_work(profiles, {}) + kept + rest,
+            )
         return max(self.base_last_free + kept + max(work, _last_packed(profiles)), head_lf)
+
+
+def _rest_work(profiles: dict[Any, BlockProfile], keeps: dict[Any, frozenset[ValueKey]]) -> int:
+    """The largest replay working set among the blocks other than the model's last."""
+    return max(
+        (working_set(p, keeps.get(k, frozenset())) for k, p in profiles.items() if p.num_blocks > p.has_last),
+        default=0,
+    )
 
 
 def _last_packed(profiles: dict[Any, BlockProfile]) -> int:
@@ -109,19 +132,26 @@ def calibrate(
     last_free_peak: int | None = None,
     head_peak: int | None = None,
     head_last_free_peak: int | None = None,
+    last_free_phases: list[int] | None = None,
 ) -> PeakModel:
     """``last_free_peak``: the measured peak under :func:`last_free_plan` (optional); ``head_peak`` and
     ``head_last_free_peak``: those two steps' peaks before any block replays (optional;
-    ``measure_peak(..., head=out)``)."""
+    ``measure_peak(..., head=out)``); ``last_free_phases``: the :func:`last_free_plan` step's three
+    phase peaks (optional; ``measure_peak(..., phases=out)``)."""
     work = max(working_set(p, frozenset()) for p in profiles.values())
     base_last = None
     if last_free_peak is not None:
         base_last = last_free_peak - max(work, _last_packed(profiles))
+    phases = last_free_phases if last_free_peak is not None and last_free_phases else []
+    if phases and len(phases) != 3:
+        raise ValueError(f"last_free_phases takes three phase peaks (head, last block, rest); got {phases}")
     return PeakModel(
         base=measured_replay_only_peak - work,
         base_last_free=base_last,
         head=head_peak,
         head_last_free=head_last_free_peak if last_free_peak is not None else None,
+        last_phase_last_free=phases[1] if phases else None,
+        rest_last_free=phases[2] if phases else None,
     )
 
 
@@ -480,7 +510,11 @@ def _widen(
     the phases apart)."""
     if last_free:
         assert peak.base_last_free is not None and peak.head_last_free is not None
-        hi = limit - max(peak.base_last_free + _last_packed(profiles), peak.head_last_free)
+        if peak.last_phase_last_free is not None and peak.rest_last_free is not None:
+            floor = max(peak.last_phase_last_free, peak.rest_last_free - _rest_work(profiles, {}))
+        else:
+            floor = peak.base_last_free + _last_packed(profiles)
+        hi = limit - max(floor, peak.head_last_free)
     else:
         assert peak.head is not None
         hi = limit - max(peak.base, peak.head)  # no plan with more kept bytes fits either phase
