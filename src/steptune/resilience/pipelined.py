@@ -254,7 +254,9 @@ def pipelined_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any
         mbs, tokens = global_batch(seed, step, spec)
         total = sum(t.shape[1] - 1 for t in tokens)
         rates, base = replica_rates(plan, layer_costs, rt.speeds, pp)
-        assignment = plan_dp([rt.cost(mb) for mb in mbs], rates, base=base)
+        mb_costs = [rt.cost(mb) for mb in mbs]
+        replicas = [range(r * pp, (r + 1) * pp) for r in range(dp)]  # a replica left idle gets probed
+        assignment = rt.add_probes(plan_dp(mb_costs, rates, base=base), mb_costs, rates, replicas, base)
         mine = assignment[replica]
         part = StageModel(layers=tuple(full.layers[i] for i in me.owned), device=full.device)
         prev, nxt = (rank - 1 if stage > 0 else None), (rank + 1 if stage < pp - 1 else None)

@@ -370,23 +370,53 @@ class Runtime:
         layout = zlib.crc32(repr(microbatches).encode())
         self._batch = (len(microbatches), self._tokens, sum(n * n for mb in microbatches for n in mb), layout)
         costs = [self.cost(mb) for mb in microbatches]
-        plan = lpt_assign(costs, self.speeds)
-        makespan = max(sum(costs[i] for i in p) / v for p, v in zip(plan, self.speeds, strict=True))
+        plan = self.add_probes(lpt_assign(costs, self.speeds), costs, self.speeds)
+        return plan[self.rank]
+
+    def add_probes(
+        self,
+        plan: list[list[int]],
+        costs: Sequence[float],
+        rates: Sequence[float],
+        members: Sequence[Sequence[int]] | None = None,
+        base: Sequence[float] | None = None,
+    ) -> list[list[int]]:
+        """``plan`` (microbatch indices per unit, changed in place and returned) with a probe: a unit left
+        without microbatches for ``RuntimeConfig.probe_every`` steps gets the cheapest microbatch of a unit
+        that holds more than one, so the detector sees whether it has healed. Units are ranks (``assign``)
+        or replicas (``members[u]``: replica u's ranks, for the DP x PP and DP x TP jobs' ``plan_dp``);
+        ``rates`` are their speeds and ``base`` their fixed seconds (``plan_dp``'s). Every rank must pass
+        the same arguments, as for ``assign``."""
+        units = members if members is not None else [[r] for r in range(self.world)]
+        if not (len(plan) == len(rates) == len(units)) or (base is not None and len(base) != len(plan)):
+            raise ValueError(
+                f"add_probes needs one plan entry, rate and member list per unit (and one base each if "
+                f"given); got {len(plan)} plans, {len(rates)} rates, {len(units)} member lists"
+            )
+        fixed = list(base) if base is not None else [0.0] * len(plan)
+        makespan = max(
+            (f + sum(costs[i] for i in p) / v for p, v, f in zip(plan, rates, fixed, strict=True) if v > 0),
+            default=0.0,
+        )
         self._probed = [False] * self.world
-        for r in range(self.world):  # a probe: a rank left idle this long gets the cheapest microbatch
-            donors = [d for d in range(self.world) if len(plan[d]) > 1]
-            wait = self._probe_wait[r]
-            if not (wait and not plan[r] and self._idle[r] >= wait and donors):
+        for u, ranks in enumerate(units):  # a probe: a unit left idle this long gets the cheapest microbatch
+            donors = [d for d in range(len(plan)) if len(plan[d]) > 1]
+            wait = max(self._probe_wait[r] for r in ranks)  # the slow member's (doubled) wait
+            if not (wait and not plan[u] and rates[u] > 0 and donors):
+                continue
+            if min(self._idle[r] for r in ranks) < wait:
                 continue
             c, i, d = min((costs[i], i, d) for d in donors for i in plan[d])
             # At most half a step's time per step waited: a probe of a rank still 20x slow cost 21% of the
             # job every 10 steps, of one 1000x slow 16x (a review); the wait doubles while it stays slow.
-            if c / self.speeds[r] > 0.5 * wait * makespan:
+            if fixed[u] + c / rates[u] > 0.5 * wait * makespan:
                 continue
             plan[d].remove(i)
-            plan[r].append(i)
-            self._probed[r] = True
-        return plan[self.rank]
+            plan[u].append(i)
+            plan[u].sort()
+            for r in ranks:
+                self._probed[r] = True
+        return plan
 
     # -- timing --------------------------------------------------------------------------------------
     def slowdown(self) -> float:

@@ -416,7 +416,10 @@ def tp_rank(rank: int, group: Any, spec: dict[str, Any]) -> dict[str, Any]:
         mbs, tokens = global_batch(seed, step, spec)
         total = sum(t.shape[1] - 1 for t in tokens)
         rates = [replica_speed(row, rt.speeds) for row in owners]
-        assignment = plan_dp([rt.cost(mb) for mb in mbs], rates)
+        mb_costs = [rt.cost(mb) for mb in mbs]  # a replica left idle gets a probe microbatch
+        assignment = rt.add_probes(
+            plan_dp(mb_costs, rates), mb_costs, rates, [members(row) for row in owners]
+        )
         loss_sum = torch.zeros(())
         mine = next((r for r, row in enumerate(owners) if rank in row), None)
         if mine is None:  # excluded: one probe microbatch at the old share, so recovery shows

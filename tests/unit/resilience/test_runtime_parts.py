@@ -341,3 +341,27 @@ def test_elastic_json_writes_what_a_training_function_returns_as_strict_json():
         "(0, 1)": 0.5, "nan": None, "a": [0, 1, 2], "t": [1.5], "s": [1, 3], "i": 7, "o": repr(object)
     }  # fmt: skip
     assert any("nan" in n and "null" in n for n in notes) and any("repr" in n for n in notes)
+
+
+def test_a_replica_left_without_work_gets_a_probe_microbatch():
+    # The DP x PP and DP x TP jobs assign replicas with plan_dp, which had no probe: a replica judged very
+    # slow never ran again, so it could not show it had healed
+    from steptune.resilience.live import stage_model
+    from steptune.resilience.planners import plan_dp
+    from steptune.resilience.runtime import Runtime
+
+    rt = Runtime(_Four(), stage_model())
+    costs = [2.0] * 7 + [1.0]
+    replicas = [[0, 1], [2, 3]]
+    rates, base = [1.0, 0.05], [0.5, 0.5]
+    assert plan_dp(costs, rates, base=base)[1] == []
+    rt._idle = [0, 0, 10, 9]  # one member ran something within the wait: the replica is not idle
+    assert rt.add_probes(plan_dp(costs, rates, base=base), costs, rates, replicas, base)[1] == []
+    rt._idle = [0, 0, 10, 10]
+    plan = rt.add_probes(plan_dp(costs, rates, base=base), costs, rates, replicas, base)
+    assert plan == [list(range(7)), [7]] and rt._probed == [False, False, True, True]
+    rt._probe_wait[3] = 40  # the slow member's doubled wait holds for its whole replica
+    assert rt.add_probes(plan_dp(costs, rates, base=base), costs, rates, replicas, base)[1] == []
+    assert rt._probed == [False] * 4
+    with pytest.raises(ValueError, match="one plan entry, rate and member list per unit"):
+        rt.add_probes([[0], []], costs, [1.0, 1.0, 1.0], replicas)
