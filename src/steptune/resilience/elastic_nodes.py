@@ -37,7 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from steptune.core.dist import DeadlineStore, StoreUnanswered
-from steptune.resilience.failstop import Coordinator, received
+from steptune.resilience.failstop import EXIT_GRACE_S, Coordinator, reap, received
 
 __all__ = ["launch_nodes"]
 
@@ -222,6 +222,7 @@ def launch_nodes(
     infos: dict[int, Any] = {}
     reported: set[int] = set()
     next_beat = 0.0
+    ended = False
     try:
         while not store.check(["job/end"]):
             if time.monotonic() >= next_beat:
@@ -278,6 +279,7 @@ def launch_nodes(
                            "hung": watch.coord.hung}  # fmt: skip
                     store.set("job/end", json.dumps(end))
         end = json.loads(store.get("job/end").decode())
+        ended = True
         if watch is None:
             store.set(f"node/{node_rank}/ack", "1")
     except (dist.DistError, StoreUnanswered) as err:  # cut off from node 0, or node 0 is gone
@@ -293,10 +295,8 @@ def launch_nodes(
             f"node {node_rank} {why}; this host's ranks were stopped. Node 0 takes a host silent for "
             f"{node_timeout_s:g} s for lost and goes on without it"
         ) from None
-    finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
+    finally:  # a job that ended well lets its ranks finish their atexit handlers (failstop.EXIT_GRACE_S)
+        reap(procs.values(), EXIT_GRACE_S if ended else 0.0)
         if rdzv_file is not None and node_rank == 0:
             rdzv_file.unlink(missing_ok=True)  # a later job must not find this store's address
     if watch is not None:  # the store dies with this process: let every live agent read the end first

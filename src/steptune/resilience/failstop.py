@@ -36,7 +36,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -51,10 +51,12 @@ from steptune.resilience.runtime import lpt_assign
 from steptune.resilience.workload import StageModel
 
 __all__ = [
+    "EXIT_GRACE_S",
     "compare_failstop",
     "doomed",
     "finish",
     "hang_seconds",
+    "reap",
     "received",
     "run_failstop",
     "split_sync",
@@ -79,6 +81,24 @@ def finish(out: Any, item: Any) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+EXIT_GRACE_S = 5.0
+"""How long a job that finished waits, all ranks together, for its ranks to exit on their own: ``finish``
+runs the ``atexit`` handlers after the result is sent, and the launcher killed the ranks as soon as it
+had every result, so a handler that took 0.5 s never finished (a sweep)."""
+
+
+def reap(procs: Iterable[Any], grace_s: float) -> None:
+    """Wait up to ``grace_s`` (one deadline for all) for ``procs`` to exit, then kill what is left."""
+    procs = list(procs)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        if p.is_alive() and (left := deadline - time.monotonic()) > 0:
+            p.join(left)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
 
 
 def _flush_open_files() -> None:
@@ -465,9 +485,7 @@ def run_failstop(spec: dict[str, Any], worker: Any = None) -> dict[str, Any]:
             p.kill()
         raise
     wall = time.time() - t0
-    for p in procs.values():
-        if p.is_alive():
-            p.kill()
+    reap(procs.values(), EXIT_GRACE_S if len(finished) == len(alive) else 0.0)
     if len(finished) < len(alive) and alive:  # the deadline passed with ranks still running
         running = sorted(r for r in alive if r not in finished)
         raise TimeoutError(

@@ -1,6 +1,7 @@
 """Fail-stop survival in a user's own DP loop (``resilience.elastic``): a SIGKILLed rank's peers rejoin
 and redo the step; the losses match a failure-free single-process run of the same loop."""
 
+import atexit
 import functools
 import re
 import subprocess
@@ -400,9 +401,26 @@ def _logs_to_an_open_file(ctx: Elastic, path: str) -> str:
     return "ok"
 
 
+def _says_goodbye_at_exit(path: str) -> None:
+    time.sleep(0.5)  # a handler that takes a while: a metrics logger's final upload, say
+    with open(path, "w") as f:
+        f.write("bye\n")
+
+
+def _logs_to_an_open_file(ctx: Elastic, path: str) -> str:
+    log = open(f"{path}.{ctx.orig}", "w")  # noqa: SIM115 - left open on purpose
+    _OPEN_LOGS.append(log)
+    for step in range(3):
+        print(f"step {step}", file=log)
+    atexit.register(_says_goodbye_at_exit, f"{path}.{ctx.orig}.atexit")
+    return "ok"
+
+
 def test_lines_written_to_a_file_the_function_left_open_are_flushed_when_the_rank_ends(tmp_path):
     # finish() ends a rank with os._exit, after atexit and stdout/stderr only: the file's lines were lost.
+    # The launcher killed ranks once it had every result, so an atexit handler taking 0.5 s never finished.
     res = launch(_logs_to_an_open_file, 2, str(tmp_path / "log"), timeout_s=60)
     assert res["results"] == {0: "ok", 1: "ok"}, res
     for rank in (0, 1):
         assert (tmp_path / f"log.{rank}").read_text() == "step 0\nstep 1\nstep 2\n"
+        assert (tmp_path / f"log.{rank}.atexit").read_text() == "bye\n"
