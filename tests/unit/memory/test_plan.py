@@ -345,3 +345,16 @@ def test_phase_peaks_price_the_last_blocks_backward_apart_and_plans_fit_unmeasur
         new_grads = grads(model, batch, "tapesac_plan", "blocks.*", saves["new"])
         assert max_abs_diff(reference, new_grads) == 0.0
     assert max(over_before) > 0, over_before  # the single base did go over: this case needs the phases
+
+
+def test_phases_of_a_last_block_whose_input_needs_no_gradient_leave_the_single_base_model():
+    torch.manual_seed(0)
+    model, batch = _DropNet(), {"x": torch.randn(2, 16, 64)}
+    model.blocks = model.blocks[:1]  # the only block is the last; its input is the batch
+    profiles = profile_model(model, batch, blocks="blocks.*")
+    phases: list[int] = []
+    plans = {"tapesac_plan": last_free_plan(profiles)}
+    last_free, _ = measure_peak(model, batch, "tapesac_plan", blocks="blocks.*", plans=plans, phases=phases)
+    assert len(phases) == 2 and max(phases) == last_free  # the head, then the rest: no input boundary
+    peak_model = calibrate(profiles, last_free, last_free, None, None, phases)
+    assert peak_model.last_phase_last_free is None and peak_model.base_last_free is not None
