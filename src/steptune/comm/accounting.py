@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CommMeter", "CopyCounter", "phase"]
+__all__ = ["CommMeter", "CopyCounter", "MeterFanout", "phase"]
 
 _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("steptune_comm_phase", default="layout")
 
@@ -109,6 +109,9 @@ class CommMeter:
     def add_wire(self, op: str, dtype: torch.dtype, nbytes: int) -> None:
         self.wire_bytes[op][str(dtype).removeprefix("torch.")] += nbytes
 
+    def count(self, call: str) -> None:
+        self.calls[call] += 1
+
     def add_staging(self, nbytes: int, allocated: int) -> None:
         self.rs_staging_high_water = max(self.rs_staging_high_water, nbytes)
         self.rs_staging_allocated += allocated
@@ -124,3 +127,29 @@ class CommMeter:
             "rs_staging_allocated_bytes": self.rs_staging_allocated,
             "calls": dict(self.calls),
         }
+
+
+class MeterFanout:
+    """Several meters fed as one: nested ``measure`` blocks each count everything inside them."""
+
+    def __init__(self, meters: list[CommMeter]) -> None:
+        self.meters = list(meters)
+
+    @property
+    def copies(self) -> contextlib.AbstractContextManager[Any]:
+        stack = contextlib.ExitStack()
+        for m in self.meters:  # nested dispatch modes: each counter sees every op once
+            stack.enter_context(m.copies)
+        return stack
+
+    def add_wire(self, op: str, dtype: torch.dtype, nbytes: int) -> None:
+        for m in self.meters:
+            m.add_wire(op, dtype, nbytes)
+
+    def add_staging(self, nbytes: int, allocated: int) -> None:
+        for m in self.meters:
+            m.add_staging(nbytes, allocated)
+
+    def count(self, call: str) -> None:
+        for m in self.meters:
+            m.count(call)

@@ -36,6 +36,15 @@ class TideConfig:
     reduce-scatter group set after it, at its first use); fall back if it fails."""
 
     def __post_init__(self) -> None:
+        # exact types: a YAML 1e3 (a float) passed the self-test and failed as a slice in the first backward,
+        # and True counted as one slot (a sweep)
+        for name in ("rs_chunk_numel", "rs_num_slots", "align_bytes"):
+            _check_int(name, getattr(self, name))
+        if self.max_inflight_bytes is not None:
+            _check_int("max_inflight_bytes", self.max_inflight_bytes)
+        for name in ("rs_two_phase", "slot_reuse", "persistent_slots", "self_test"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TideConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.ag_algorithm not in AG_ALGORITHMS:
             raise ValueError(f"ag_algorithm must be one of {AG_ALGORITHMS}, got {self.ag_algorithm!r}")
         if self.rs_chunk_numel < 1 or self.rs_num_slots < 1:
@@ -50,3 +59,9 @@ class TideConfig:
             raise ValueError(
                 f"max_inflight_bytes must be >= 1 byte (None: no limit), got {self.max_inflight_bytes}"
             )
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        hint = f" (write {int(value)})" if isinstance(value, float) and value.is_integer() else ""
+        raise TypeError(f"TideConfig.{name} must be a whole number (int), got {value!r}{hint}")

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from steptune.comm.accounting import CommMeter, phase
+from steptune.comm.accounting import CommMeter, MeterFanout, phase
 from steptune.comm.config import TideConfig, TideFallbackWarning
 from steptune.comm.fsdp_group import SENTINEL, GroupState
 from steptune.comm.layout import GroupLayout, ParamSpec
@@ -65,6 +65,7 @@ class _Patch:
     originals: ClassVar[dict[str, Any]] = {}
     meters: ClassVar[list[CommMeter]] = []
     warned_compiled = False
+    default_comms: ClassVar[tuple[type, type] | None] = None  # FSDP2's DefaultAllGather, DefaultReduceScatter
 
 
 def _check_signatures() -> str | None:
@@ -97,6 +98,7 @@ def _install() -> None:
 
         pg = _fsdp()
         _Patch.originals = {name: getattr(pg, name) for name in _SIGNATURES}
+        _Patch.default_comms = (fc.DefaultAllGather, fc.DefaultReduceScatter)
         pg.foreach_all_gather = _all_gather
         pg.foreach_all_gather_copy_out = _copy_out
         pg.foreach_reduce = _reduce
@@ -118,8 +120,14 @@ def _uninstall() -> None:
             cls.__call__ = cls.__call__.__wrapped__
 
 
-def _meter() -> CommMeter | None:
-    return _Patch.meters[-1] if _Patch.meters else None
+def _meter() -> CommMeter | MeterFanout | None:
+    """The meters of every open ``measure`` block, as one (nested blocks each count everything inside them:
+    the outer one counted only what ran outside the inner, a sweep)."""
+    if not _Patch.meters:
+        return None
+    if len(_Patch.meters) == 1:
+        return _Patch.meters[0]
+    return MeterFanout(_Patch.meters)
 
 
 @contextlib.contextmanager
@@ -135,7 +143,7 @@ def measure(meter: CommMeter | None = None) -> Iterator[CommMeter]:
         _uninstall()
 
 
-def _counting(meter: CommMeter | None) -> contextlib.AbstractContextManager[Any]:
+def _counting(meter: CommMeter | MeterFanout | None) -> contextlib.AbstractContextManager[Any]:
     return meter.copies if meter is not None else contextlib.nullcontext()
 
 
@@ -173,8 +181,17 @@ def _all_gather(fsdp_params: list[Any], group: Any, async_op: bool, *streams_dev
             if meter is not None and result is not None:
                 out, w = result.all_gather_output, group.size()
                 meter.add_wire("all_gather", out.dtype, out.numel() * out.element_size() * (w - 1) // w)
-                meter.calls["stock_all_gather"] += 1
+                meter.count("stock_all_gather")
             return result
+        comm = streams_device_comm[-1]
+        if _Patch.default_comms is not None and type(comm) is not _Patch.default_comms[0]:
+            # set_custom_all_gather after enable_tide: TIDE's gather would skip it silently (a sweep); stock's
+            # cannot take over here, since the parameters live in TIDE's slot
+            raise RuntimeError(
+                f"group {st.fqn or '<root>'}: a custom all-gather ({type(comm).__name__}) was set after "
+                "enable_tide, and TIDE would not call it. Set custom comms before enable_tide (the group "
+                "then stays on stock FSDP2), or call the TIDE handle's disable() first"
+            )
         return st.all_gather(fsdp_params, group, streams_device_comm[-2], meter)
 
 
@@ -207,6 +224,8 @@ def _reduce(fsdp_params: list[Any], unsharded_grads: list[torch.Tensor], rs_grou
         and partial is None
         and hook is None
         and divide_factor is None
+        # a custom reduce-scatter set after enable_tide: stock's reduce calls it (TIDE's skipped it, a sweep)
+        and (_Patch.default_comms is None or type(_comm) is _Patch.default_comms[1])
         and st.rs_group_passes(rs_group, device)
     ):
         with _counting(meter):
@@ -218,7 +237,7 @@ def _reduce(fsdp_params: list[Any], unsharded_grads: list[torch.Tensor], rs_grou
         nbytes = inp.numel() * inp.element_size()
         meter.add_wire("reduce_scatter", inp.dtype, nbytes * (w - 1) // w)
         meter.add_staging(nbytes, nbytes)
-        meter.calls["stock_reduce_scatter"] += 1
+        meter.count("stock_reduce_scatter")
     return result
 
 
@@ -322,7 +341,11 @@ def _ineligible(g: Any) -> str | None:
     if problem := _padding_mismatch(g.fsdp_params, mi.shard_process_group.size()):
         return problem
     if any(fp.sharded_state != _sharded() for fp in g.fsdp_params):
-        raise ValueError(f"group {g._module_fqn}: call enable_tide between steps, with parameters sharded")
+        raise ValueError(
+            f"group {g._module_fqn or '<root>'}: call enable_tide between steps, with parameters sharded (a "
+            "root left unsharded after a forward, such as a no_grad evaluation pass: call model.reshard() "
+            "first)"
+        )
     if (pending := _pending_grad(g.fsdp_params)) is not None:
         raise ValueError(f"group {g._module_fqn or '<root>'}: {pending}; call enable_tide {_AFTER_SYNC}")
     return None
@@ -380,12 +403,16 @@ def enable_tide(module: nn.Module, config: TideConfig | None = None) -> TideHand
         raise ValueError(
             "no FSDP2 parameter groups under this module: call fully_shard(...) before enable_tide"
         )
-    if any("_tide_state" in fp.__dict__ for g in groups for fp in g.fsdp_params):
-        raise ValueError(
-            "TIDE is already enabled on this module: call handle.disable() before enabling it again"
-        )
     names = {id(m): n or "<root>" for n, m in module.named_modules()}
     fqns = _group_names(groups, names, {id(p): n for n, p in module.named_parameters(remove_duplicate=False)})
+    if enabled := [fqns[id(g)] for g in groups if any("_tide_state" in fp.__dict__ for fp in g.fsdp_params)]:
+        where = (
+            "this module" if len(enabled) == len(groups) else f"group(s) {', '.join(enabled)} of this module"
+        )
+        raise ValueError(
+            f"TIDE is already enabled on {where} (an earlier enable_tide): call that handle's disable() "
+            "before enabling it again"
+        )
     reasons = {fqns[id(g)]: _ineligible(g) for g in groups}
     rs_verdicts: list[tuple[Any, str | None]] = []  # separate reduce-scatter groups, shared by every group
     if (broken := _check_signatures()) is not None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from steptune.comm.accounting import CommMeter
+from steptune.comm.accounting import CommMeter, MeterFanout
 from steptune.comm.ag import all_gather_into
 from steptune.comm.config import TideConfig, TideFallbackWarning
 from steptune.comm.layout import GroupLayout, ParamSpec
@@ -135,13 +135,30 @@ class GroupState:
 
         pg = self.param_group
         vacate = (
-            self.config.slot_reuse and pg._training_state == TrainingState.POST_BACKWARD and pg.reduce_grads
+            self.config.slot_reuse
+            and pg._training_state == TrainingState.POST_BACKWARD
+            and pg.reduce_grads
+            # no reduce-scatter follows in a group with nothing to train: its vacated slot stayed allocated
+            # until the next forward (a frozen layer held its full unsharded size between steps, a sweep)
+            and (
+                pg.reduce_scatter_unused_params
+                or any(fp.sharded_param.requires_grad for fp in self.fsdp_params)
+            )
         )
         self.slot.release(vacate=vacate)
 
     # -- the two collectives -------------------------------------------------------------------------------
     def all_gather(
-        self, fsdp_params: list[Any], group: Any, device: torch.device, meter: CommMeter | None
+        self, fsdp_params: list[Any], group: Any, device: torch.device, meter: CommMeter | MeterFanout | None
+    ) -> Any:
+        # Under torch.inference_mode (an eval-only job) the slot would be an inference tensor, which has no
+        # version counter to preserve: the first forward raised (a sweep). Parameters are never inference
+        # tensors, in any mode.
+        with torch.inference_mode(False):
+            return self._all_gather(fsdp_params, group, device, meter)
+
+    def _all_gather(
+        self, fsdp_params: list[Any], group: Any, device: torch.device, meter: CommMeter | MeterFanout | None
     ) -> Any:
         all_gather_result, sharded_state, _ = _fsdp_internals()
         layout, slot, transport = self._ensure(group, device)
@@ -166,7 +183,7 @@ class GroupState:
             )
         if meter is not None:
             meter.add_wire("all_gather", buffer.dtype, transport.stats.total_bytes - sent)
-            meter.calls["tide_all_gather"] += 1
+            meter.count("tide_all_gather")
         return all_gather_result(SENTINEL, None, None, [], [], [])
 
     def _rs_layout(self, fsdp_params: list[Any], world_size: int) -> GroupLayout:
@@ -185,7 +202,7 @@ class GroupState:
         rs_stream: Any,
         orig_dtype: torch.dtype | None,
         device: torch.device,
-        meter: CommMeter | None,
+        meter: CommMeter | MeterFanout | None,
     ) -> tuple[Any, ...]:
         _, _, device_handle_of = _fsdp_internals()
         _, slot, transport = self._ensure(group, device)
@@ -232,7 +249,7 @@ class GroupState:
             if meter is not None:
                 meter.add_wire("reduce_scatter", dtypes.pop(), transport.stats.total_bytes - sent)
                 meter.add_staging(stats.staging_bytes, stats.staging_allocated_bytes)
-                meter.calls["tide_reduce_scatter"] += 1
+                meter.count("tide_reduce_scatter")
             reduce_output = out if orig_dtype in (None, torch.float32) else out.to(orig_dtype)
             for p, fp in enumerate(fsdp_params):
                 # As stock foreach_reduce: a view of the flat shard, assigned or accumulated, then the hooks.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CASES", "fallback_rank"]
+__all__ = ["CASES", "LATE_CASES", "fallback_rank", "late_rank"]
 
 CASES = {
     2: (
@@ -44,6 +44,10 @@ CASES = {
     ),
     4: ("hsdp", "reshard_int", "tensor_parallel"),
 }
+
+
+LATE_CASES = ("custom_rs_late", "custom_ag_late", "inference_only", "frozen_layer")
+"""Changes after ``enable_tide`` and uses TIDE must follow (``late_rank``; a session-47 sweep)."""
 
 
 def _custom_rs() -> Any:
@@ -302,3 +306,68 @@ def fallback_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
         "warnings": [str(w.message) for w in caught if issubclass(w.category, TideFallbackWarning)],
         "bitwise_equal": equal,
     }
+
+
+def late_rank(rank: int, group: Any, case: str) -> dict[str, Any]:
+    """TIDE active, then: a custom reduce-scatter set after ``enable_tide`` (stock's reduce must run it), a
+    custom all-gather set after it (refused: TIDE's slot holds the parameters), an evaluation-only job
+    under ``torch.inference_mode`` (the slot's first allocation there made it an inference tensor), or a
+    frozen layer (its vacated slot must be freed, no reduce-scatter reclaims it). Returns what the test
+    checks, with ``bitwise_equal`` against stock FSDP2 on the same inputs."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    from steptune.comm.fsdp import enable_tide
+
+    mesh, _ = _mesh("", group)
+    stock = _model()
+    tide = copy.deepcopy(stock)
+    calls = {"stock": 0, "tide": 0}
+    for m in (stock, tide):
+        if case == "frozen_layer":
+            m[2].requires_grad_(False)
+        _shard(m, "", mesh, group)
+    handle = enable_tide(tide)
+    out: dict[str, Any] = {"groups": handle.groups}
+
+    def counting(cls: type, name: str) -> Any:
+        class Counting(cls):  # type: ignore[misc, valid-type]
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                calls[name] += 1
+                return super().__call__(*args, **kwargs)
+
+        return Counting()
+
+    layers = {
+        name: [x for x in m if isinstance(x, nn.Linear)] for name, m in (("stock", stock), ("tide", tide))
+    }
+    for name, ms in layers.items():
+        for layer in ms:
+            if case == "custom_rs_late":
+                layer.set_custom_reduce_scatter(counting(DefaultReduceScatter, name))  # type: ignore[operator]
+            elif case == "custom_ag_late":
+                layer.set_custom_all_gather(counting(DefaultAllGather, name))  # type: ignore[operator]
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)) for step in range(2)]
+    if case == "inference_only":
+        with torch.inference_mode():
+            outs = [[m(x) for x in xs] for m in (stock, tide)]
+        out["bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+        handle.disable()
+        return out
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, tide)]
+    try:
+        for x in xs:
+            for m, opt in zip((stock, tide), opts, strict=True):
+                m(x).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    except RuntimeError as err:
+        out["refused"] = str(err)
+    if case == "frozen_layer":
+        out["slots"] = {st.fqn: st.slot.state if st.slot is not None else None for st in handle._states}
+    out["custom_calls"] = calls
+    out["bitwise_equal"] = all(
+        torch.equal(a.full_tensor(), b.full_tensor())
+        for a, b in zip(stock.parameters(), tide.parameters(), strict=True)
+    )
+    handle.disable()
+    return out

@@ -4,7 +4,7 @@ import pytest
 
 from steptune.comm.compare import build_model, compare_rank
 from steptune.comm.counts import GroupShapes, predicted_counts
-from steptune.testing.comm_cases import CASES, fallback_rank
+from steptune.testing.comm_cases import CASES, LATE_CASES, fallback_rank, late_rank
 from steptune.testing.spawn import SpawnPool
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
@@ -106,3 +106,22 @@ def test_every_fallback_warns_and_matches_stock(w):
                 assert stayed, (case, r["groups"])
                 assert len(r["warnings"]) == len(stayed), (case, r["warnings"])
                 assert all("stays on stock FSDP2" in m for m in r["warnings"])
+
+
+def test_changes_after_enable_and_eval_only_jobs_follow_stock():
+    # A sweep (session 47): a custom reduce-scatter set after enable_tide was skipped (gradients 0.5x), a
+    # custom all-gather too; an eval-only job under inference_mode raised in its first forward; a frozen
+    # layer kept its whole unsharded slot allocated between steps.
+    with SpawnPool(2, timeout=300, default_group=True) as pool:
+        results = {case: pool.run(late_rank, case) for case in LATE_CASES}
+    for r in results["custom_rs_late"]:  # stock's reduce-scatter, with the user's comm, for every group
+        assert set(r["groups"].values()) == {"tide"} and r["bitwise_equal"], r
+        assert r["custom_calls"]["tide"] == r["custom_calls"]["stock"] > 0, r
+    for r in results["custom_ag_late"]:
+        assert "custom all-gather (Counting) was set after enable_tide" in r["refused"], r
+        assert r["custom_calls"]["tide"] == 0
+    for r in results["inference_only"]:
+        assert set(r["groups"].values()) == {"tide"} and r["bitwise_equal"], r
+    for r in results["frozen_layer"]:
+        assert r["bitwise_equal"] and "refused" not in r, r
+        assert set(r["slots"].values()) == {"free"}, r["slots"]  # the frozen one included
