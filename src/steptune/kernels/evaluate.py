@@ -20,7 +20,9 @@ it).
 Profiling: one validation trial first (profiling a wrong kernel is pointless), then warm-up and `rounds`
 rounds in which reference and candidate are each timed over enough calls to last `round_s`, their order
 alternating; speedup is the median of per-round ratios (paired: both see the same machine noise). On CUDA:
-events per call with a 256 MB L2 flush between calls, as KernelBench does.
+events per call with a 256 MB L2 flush between calls, as KernelBench does. Timed calls alternate between
+two input draws with their version counters bumped, and a call on inputs overwritten in place follows the
+rounds: a result memoized by input identity is stale there (a cache keyed by contents is not caught).
 """
 
 from __future__ import annotations
@@ -375,8 +377,8 @@ class _Prepared:
     """Per validation trial: (pristine inputs, the reference's output on a copy of them)."""
     ref_ops: list[str]
     """The reference's compute ops in trial 0."""
-    profile: tuple[list[Any], Any] | None
-    """The profiling draw and the reference's output on it."""
+    profile: list[tuple[list[Any], Any]] | None
+    """The profiling draws (``_PROFILE_DRAWS``) and the reference's output on each."""
     namespaces: _Namespaces
 
 
@@ -405,9 +407,11 @@ def _prepare(problem: dict[str, Any], workdir: Path, device: str, trials: int, p
                 cases.append((inputs, out))
             timed = None
             if profile:
-                _seed_all(seed + 99)
-                inputs = _to(list(_draw(prob, "the profiling draw")), device)
-                timed = (inputs, _call(ref, _clones(inputs), "the reference (profiling draw)"))
+                timed = []
+                for k in range(_PROFILE_DRAWS):
+                    _seed_all(seed + 99 + 100 * k)
+                    inputs = _to(list(_draw(prob, f"profiling draw {k}")), device)
+                    timed.append((inputs, _call(ref, _clones(inputs), f"the reference (profiling draw {k})")))
     except MemoryError:
         raise
     except _Verdict as v:
@@ -497,7 +501,7 @@ def _validate(
     # before the candidate runs, so none of them can be handed back as the candidate's.
     outs_alive: list[torch.Tensor] = [t for _, out in prep.trials for t in _outputs(out) if _is_data(t)]
     if prep.profile is not None:
-        outs_alive += [t for t in _outputs(prep.profile[1]) if _is_data(t)]
+        outs_alive += [t for _, out in prep.profile for t in _outputs(out) if _is_data(t)]
     ref_ptrs = {t.untyped_storage().data_ptr() for t in outs_alive}
     cand_ptrs: set[int] = set()
     ref_ops = prep.ref_ops
@@ -705,19 +709,73 @@ def _time_cuda(fn: Callable[[], Any], n: int, flush: torch.Tensor, keep: int = -
     return statistics.median(times), kept
 
 
+_PROFILE_DRAWS = 2
+"""Profiling draws: timed calls alternate between them, and each call bumps its inputs' version counters
+first. Candidates that memoized their output by input identity, pointer, or pointer and version were timed
+returning a cached copy: "correct" at 16-46x on a matmul (a session-47 sweep)."""
+
+
+class _Alternating:
+    """``fn`` called on the profiling draws in turn (call i of a timed block on draw i mod D), each call
+    preceded by a bump of that draw's tensors' version counters (no data touched)."""
+
+    def __init__(self, fn: Any, draws: list[list[Any]]) -> None:
+        self.fn, self.draws, self.next = fn, draws, 0
+        self.tensors = [_tensors_in(d) for d in draws]
+        try:
+            torch.autograd.graph.increment_version(self.tensors[0])
+        except RuntimeError:  # inference tensors have no version counter: alternation alone
+            self.tensors = [[] for _ in draws]
+
+    def restart(self) -> None:
+        self.next = 0
+
+    def __call__(self) -> Any:
+        j = self.next
+        self.next = (j + 1) % len(self.draws)
+        if self.tensors[j]:
+            torch.autograd.graph.increment_version(self.tensors[j])
+        return self.fn(*self.draws[j])
+
+
+def _tensors_in(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, list | tuple):
+        return [t for item in x for t in _tensors_in(item)]
+    return []
+
+
+def _overwrite_in_place(dst: list[Any], src: list[Any]) -> bool:
+    """Copy ``src``'s tensors into ``dst``'s (same storage, new values); False, touching nothing, unless the
+    two draws have the same structure, tensor shapes and dtypes, and equal non-tensor items."""
+    a, b = _tensors_in(dst), _tensors_in(src)
+    same = len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b, strict=True)
+    )
+    if not same or _rebuilt_scalars(dst) != _rebuilt_scalars(src):
+        return False
+    for x, y in zip(a, b, strict=True):
+        x.copy_(y)
+    return True
+
+
+def _rebuilt_scalars(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return None
+    if isinstance(x, list | tuple):
+        return [_rebuilt_scalars(item) for item in x]
+    return x
+
+
 def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dict[str, Any]:
     assert prep.profile is not None
-    inputs, out_r = prep.profile
-    ref_in, new_in = _clones(inputs), _clones(inputs)
+    outs_r = [out for _, out in prep.profile]
+    new_ins = [_clones(inputs) for inputs, _ in prep.profile]
     rounds, round_s = int(job.get("rounds", 15)), float(job.get("round_s", 0.005))
     picks = random.Random(int(job["problem"].get("seed", 0)) ^ 0x71AE)
-    ref = prep.ref
-
-    def f_ref() -> Any:
-        return ref(*ref_in)
-
-    def f_new() -> Any:
-        return new(*new_in)
+    f_ref = _Alternating(prep.ref, [_clones(inputs) for inputs, _ in prep.profile])
+    f_new = _Alternating(new, new_ins)
 
     with torch.no_grad():
         flush = torch.empty(64 * 2**20, dtype=torch.int32, device=device) if device == "cuda" else None
@@ -744,6 +802,7 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
             kept = None
             for name, fn in order:
                 k = keep if name == "new" else -1
+                fn.restart()  # call i on draw i mod D: the kept call's draw is known
                 got[name], out = _time_cuda(fn, n, flush, k) if flush is not None else _time_cpu(fn, n, k)
                 kept = out if name == "new" else kept
             # A kernel right on the validation trials but not on the timed calls (a call counter,
@@ -751,11 +810,22 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
             # checked after every round: a setting the candidate changes (grad mode, threads) and puts back
             # only at the end would have slowed the reference in between
             _check_state(state, f"the candidate, while it was timed (round {r}),")
-            _compare(kept, out_r, job["problem"], f"a timed call (round {r}, call {keep})")
+            _compare(
+                kept, outs_r[keep % len(outs_r)], job["problem"], f"a timed call (round {r}, call {keep})"
+            )
             t_ref.append(got["ref"])
             t_new.append(got["new"])
             ratios.append(got["ref"] / max(got["new"], 1e-12))
         prep.namespaces.check("the candidate, while it was timed,")
+        # draw 1's values written into draw 0's tensors: a result cached by identity or pointer is stale
+        f_new.restart()
+        _call(f_new, [], "the candidate (on draw 0)")  # draw 0 last: a cache of the last inputs holds it
+        if len(new_ins) > 1 and _overwrite_in_place(new_ins[0], new_ins[1]):
+            out = _call(new, new_ins[0], "the candidate (on inputs overwritten in place)")
+            where = (
+                "a call on inputs overwritten in place with other values (a result cached by input identity?)"
+            )
+            _compare(out, outs_r[1], job["problem"], where)
     return {
         "ref_time_s": statistics.median(t_ref),
         "candidate_time_s": statistics.median(t_new),

@@ -99,6 +99,38 @@ def test_timed_calls_are_checked_too(pools):
     assert verdict == "correct", reason
 
 
+MM = _problem("mm", "return a[0] @ a[1]", "[torch.randn(160, 160), torch.randn(160, 160)]")
+EINSUM = "torch.einsum('ij,jk->ik', a[0], a[1])"
+
+
+def _memo(key: str) -> str:
+    return _candidate(
+        f"k = {key}\n        if k in self.c:\n            return self.c[k].clone()\n"
+        f"        o = {EINSUM}\n        self.c[k] = o.clone()\n        return o",
+        init="self.c = {}",
+    )
+
+
+def test_results_memoized_by_input_identity_are_not_timed_as_speedups(pools):
+    # A session-47 sweep: caches keyed by the input tensors' pointers, their versions, or the last inputs
+    # returned a copy of the first result while timed: "correct" at 16-46x on this matmul
+    checked, _ = pools
+    last = _candidate(
+        f"if self.x is a[0] and self.y is a[1]:\n            return self.o.clone()\n"
+        f"        self.x, self.y, self.o = a[0], a[1], {EINSUM}\n        return self.o.clone()",
+        init="self.x = self.y = self.o = None",
+    )
+    for cheat in (_memo("(a[0].data_ptr(), a[1].data_ptr())"), last):
+        verdict, reason = _verdict(checked, MM, cheat, kind="profile")
+        assert verdict == "incorrect" and "inputs overwritten in place" in reason, reason
+    # keyed by version too: every timed call bumps the inputs' versions, so it computes every time
+    res = checked.submit(MM, _memo("(a[0].data_ptr(), a[0]._version, a[1]._version)"), kind="profile")
+    res = res.result(timeout=120)
+    assert res.verdict == "correct" and res.speedup < 3.0, (res.verdict, res.speedup, res.reason)
+    verdict, reason = _verdict(checked, MM, _candidate(f"return {EINSUM}"), kind="profile")
+    assert verdict == "correct", reason
+
+
 @pytest.mark.parametrize(
     ("forward", "inputs", "candidate"),
     [
