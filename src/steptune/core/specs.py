@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import numbers
 import tomllib
 from dataclasses import dataclass, field, replace
@@ -166,6 +167,19 @@ class LinkSpec:
     """Bytes/s per GPU per direction."""
     latency: float
     """Seconds per message or algorithm step (alpha)."""
+
+    def __post_init__(self) -> None:
+        # a NaN bandwidth or a negative latency dropped every cross-device dependency from the pipeline
+        # simulator (a sweep: 1F1B's makespan 9 became 6); 0 divided by zero
+        bw, lat = self.bandwidth, self.latency
+        if isinstance(bw, bool) or not isinstance(bw, int | float) or not (math.isfinite(bw) and bw > 0):
+            raise ValueError(
+                f"LinkSpec {self.name!r}: bandwidth must be a finite number of bytes/s > 0, got {bw!r}"
+            )
+        if isinstance(lat, bool) or not isinstance(lat, int | float) or not (math.isfinite(lat) and lat >= 0):
+            raise ValueError(
+                f"LinkSpec {self.name!r}: latency must be a finite number of seconds >= 0, got {lat!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

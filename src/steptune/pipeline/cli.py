@@ -175,10 +175,12 @@ def _simulate(args: argparse.Namespace) -> int:
                     f"{layers.num_layers} stages (steptune pipeline tune --model {args.model} ...)"
                 )
             part = uniform_partition(layers.num_layers, sched.num_stages)
+            split = int(sched.meta.get("head_split", 1))  # applied above: the note said "unsplit" (a sweep)
+            head = f"split {split} ways (its meta.head_split)" if split > 1 else "unsplit"
             notes.append(
                 f"{args.schedule.name} carries no layer partition (a CSV holds only the orders, and a JSON "
                 "written by hand may not): "
-                f"simulated with the uniform partition {list(part)} and the head unsplit; the tuner's "
+                f"simulated with the uniform partition {list(part)} and the head {head}; the tuner's "
                 "schedule.json carries its partition and head split"
             )
         tuned = sched.meta.get("model")

@@ -39,6 +39,10 @@ def _check_fields(costs: Any, what: str, fields: tuple[str, ...]) -> None:
         for k, v in enumerate(getattr(costs, name)):
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{cls}.{name}[{k}] ({what} {k}) must be a finite number >= 0, got {v!r}")
+        if not isinstance(
+            getattr(costs, name), tuple
+        ):  # lists passed here, then failed in tune's split_layer
+            object.__setattr__(costs, name, tuple(getattr(costs, name)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

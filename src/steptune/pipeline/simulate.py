@@ -15,6 +15,8 @@ A cyclic or otherwise impossible order raises ``ScheduleError`` naming what each
 
 from __future__ import annotations
 
+import math
+import numbers
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -212,7 +214,12 @@ def program(schedule: Schedule) -> Program:
 
 def _durations(prog: Program, costs: StageCosts, durations: Callable[[Action], float] | None) -> list[float]:
     if durations is not None:
-        return [durations(a) for a in prog.actions]
+        out = [durations(a) for a in prog.actions]
+        for a, d in zip(prog.actions, out, strict=True):
+            # a NaN duration dropped the action's dependents from the makespan, a negative one gave -1 s
+            if isinstance(d, bool) or not isinstance(d, numbers.Real) or not (math.isfinite(d) and d >= 0):
+                raise ValueError(f"durations({a}) must be a finite number of seconds >= 0, got {d!r}")
+        return out
     o = costs.overhead
     table = [(f + o, i + o, w + o, i + w + o) for f, i, w in zip(costs.f, costs.i, costs.w, strict=True)]
     return [table[s][k] for s, k in prog.key]

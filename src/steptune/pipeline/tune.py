@@ -63,8 +63,8 @@ class TuneConfig:
             )
         for name in ("time_budget", "overhead"):
             value = getattr(self, name)
-            if not value >= 0:  # also NaN
-                raise ValueError(f"{name} must be >= 0 seconds, got {value}")
+            if not (math.isfinite(value) and value >= 0):  # NaN, and inf (the search runs for its budget)
+                raise ValueError(f"{name} must be a finite number >= 0 seconds, got {value}")
         if self.memory_cap is not None and not self.memory_cap > 0:
             raise ValueError(f"memory_cap must be > 0 bytes (or None for no cap), got {self.memory_cap}")
         if not self.families:

@@ -138,8 +138,8 @@ def test_tuner_scheduler_and_cost_settings_out_of_range_are_refused() -> None:
     with pytest.raises(ValueError, match="seq_len must be >= 1"):
         layer_costs(model_preset("llama2-7b"), cluster_preset("dgx-h100").device, seq_len=-5)
     for kw, message in (
-        ({"overhead": -1.0}, "overhead must be >= 0"),
-        ({"time_budget": -1.0}, "time_budget must be >= 0"),
+        ({"overhead": -1.0}, "overhead must be a finite number >= 0"),
+        ({"time_budget": -1.0}, "time_budget must be a finite number >= 0"),
         ({"families": ()}, "families is empty"),
         ({"families": ("loop0",)}, "loop<v> with v >= 1"),
         ({"families": ("ring",)}, "unknown placement family"),
@@ -232,3 +232,37 @@ def test_executor_settings_are_checked_where_made(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         ExecutorConfig(**kwargs)
+
+
+def test_links_durations_budgets_and_cost_lists_are_checked_where_made() -> None:
+    # A session-47 sweep: a NaN bandwidth or a negative latency dropped every cross-device dependency
+    # (1F1B P=2 M=2 at unit cost: 6 instead of 9), durations NaN or -1 gave 4.0 and -1.0, an infinite time
+    # budget was accepted, and cost lists passed here to fail later in tune's split_layer
+    from steptune.core.specs import LinkSpec
+    from steptune.pipeline.costs import LayerCosts
+
+    for bad in ({"bandwidth": float("nan"), "latency": 0.0}, {"bandwidth": 0, "latency": 0.0},
+                {"bandwidth": 1e9, "latency": -5.0}, {"bandwidth": -1.0, "latency": 0.0}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"LinkSpec 'l': (bandwidth|latency) must be a finite number"):
+            LinkSpec(name="l", **bad)
+    sched = anchor("1f1b", 2, 2)
+    assert simulate(sched, StageCosts.uniform(2)).makespan == 9.0
+    for value in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match=r"durations\(.*\) must be a finite number of seconds >= 0"):
+            simulate(sched, StageCosts.uniform(2), durations=lambda a, v=value: v if a.stage == 1 else 1.0)
+    with pytest.raises(ValueError, match="time_budget must be a finite number"):
+        TuneConfig(num_devices=2, num_microbatches=2, time_budget=float("inf"))
+    layers = LayerCosts(f=[1.0], i=[1.0], w=[1.0], act_bytes=[1.0], out_bytes=[1.0], static_bytes=[0.0])
+    assert layers.f == (1.0,) and isinstance(layers.static_bytes, tuple)
+
+
+def test_simulating_a_head_split_schedule_without_a_partition_says_so(tmp_path: Path, capsys) -> None:
+    sched = anchor("1f1b", 2, 2)
+    path = tmp_path / "s.json"
+    from dataclasses import replace
+
+    replace(sched, meta={"head_split": 4}).save(path)
+    assert main(["pipeline", "simulate", "--schedule", str(path), "--model", "gemma-2b", "--out",
+                 str(tmp_path / "out")]) == 0  # fmt: skip
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "and the head split 4 ways (its meta.head_split)" in printed and "head unsplit" not in printed
