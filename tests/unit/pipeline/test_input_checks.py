@@ -246,7 +246,7 @@ def test_links_durations_budgets_and_cost_lists_are_checked_where_made() -> None
         with pytest.raises(ValueError, match=r"LinkSpec 'l': (bandwidth|latency) must be a finite number"):
             LinkSpec(name="l", **bad)
     sched = anchor("1f1b", 2, 2)
-    assert simulate(sched, StageCosts.uniform(2)).makespan == 9.0
+    assert simulate(sched, StageCosts.uniform(2), send_after_i=False).makespan == 9.0
     for value in (float("nan"), -1.0):
         with pytest.raises(ValueError, match=r"durations\(.*\) must be a finite number of seconds >= 0"):
             simulate(sched, StageCosts.uniform(2), durations=lambda a, v=value: v if a.stage == 1 else 1.0)
