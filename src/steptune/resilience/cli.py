@@ -215,10 +215,20 @@ def _bench(args: argparse.Namespace) -> int:
     )
     if args.models:
         from steptune.core.specs import model_preset
+        from steptune.resilience.bench import job_for
+        from steptune.resilience.policies import NoOp
+        from steptune.resilience.sim import run
 
-        models = tuple(m.strip() for m in args.models.split(","))
+        models = tuple(dict.fromkeys(m.strip() for m in args.models.split(",")))  # a repeat counted twice
         for m in models:  # every name before the first scenario runs (a typo used to surface minutes in)
             model_preset(m)
+            try:  # and that it fits the bench's job: a model that did not lost every row run before it
+                run(job_for(m), NoOp(), [], 1.0)
+            except ValueError as err:
+                raise ValueError(
+                    f"--models {m} does not fit the bench's job (TP 4, PP 16, DP 4 on 256 GPUs): {err}; "
+                    "leave it out, or simulate it alone with `steptune resilience simulate --model`"
+                ) from None
         cfg = replace(cfg, models=models)
     cfg = replace(cfg, lengths=_lengths(args.lengths))
     res = run_bench(cfg, progress=lambda m: print(m, flush=True))

@@ -19,6 +19,7 @@ each unit's workload. It returns the alarms raised at that step; each episode al
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -108,6 +109,13 @@ class ResiHPDetector:
         if predicted is None:
             raise ValueError("ResiHPDetector needs predicted times (it is workload-aware)")
         cfg, alarms = self.config, []
+        _check_times(observed, "observed")
+        missing = [u for u in observed if u not in predicted]
+        if missing:
+            raise ValueError(
+                f"step {step}: no predicted time for unit(s) {missing[:5]}: give one per observed unit"
+            )
+        _check_times({u: predicted[u] for u in observed}, "predicted", positive=True)
         for unit, obs in observed.items():
             pred = predicted[unit]
             st = self._units.setdefault(unit, _Unit())
@@ -142,6 +150,13 @@ class FixedThresholdDetector:
     name = "fixed-threshold"
 
     def __init__(self, threshold: float = 0.10, *, consecutive: int = 1) -> None:
+        # consecutive=0 alarmed every healthy unit every step and never the slow one (a sweep)
+        if not (isinstance(threshold, int | float) and math.isfinite(threshold) and threshold >= 0):
+            raise ValueError(
+                f"threshold must be a finite fraction >= 0 (0.10: 10% over the median), got {threshold!r}"
+            )
+        if isinstance(consecutive, bool) or not isinstance(consecutive, int) or consecutive < 1:
+            raise ValueError(f"consecutive must be a whole number of steps >= 1, got {consecutive!r}")
         self.threshold = threshold
         self.consecutive = consecutive
         self._hits: dict[int, int] = {}
@@ -149,6 +164,7 @@ class FixedThresholdDetector:
     def observe(
         self, step: int, observed: Mapping[int, float], predicted: Mapping[int, float] | None = None
     ) -> list[Alarm]:
+        _check_times(observed, "observed")
         med = float(np.median(list(observed.values())))
         alarms = []
         for unit, obs in observed.items():
@@ -191,6 +207,7 @@ class ChangePointDetector:
     def observe(
         self, step: int, observed: Mapping[int, float], predicted: Mapping[int, float] | None = None
     ) -> list[Alarm]:
+        _check_times(observed, "observed")
         x = max(observed.values())  # the step is as slow as its slowest unit
         self._xs.append(x)
         if len(self._xs) <= self.warmup:
@@ -235,8 +252,10 @@ class HeartbeatMonitor:
     name = "heartbeat"
 
     def __init__(self, timeout: float = 10.0) -> None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not (
+            isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0
+        ):  # nan never alarmed
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.timeout = timeout
         self._dead: set[int] = set()
 
@@ -249,3 +268,17 @@ class HeartbeatMonitor:
                     Alarm(step=step, unit=unit, kind="fail-stop", slowdown=math.inf, detector=self.name)
                 )
         return alarms
+
+
+def _check_times(times: Mapping[int, float], what: str, positive: bool = False) -> None:
+    """Every time a finite number >= 0 (> 0 with ``positive``), and at least one: one NaN in a unit's
+    warm-up made its baseline NaN, and no slowdown of it was ever found after (a sweep)."""
+    if not times:
+        raise ValueError(f"no {what} times: pass one per unit")
+    for unit, t in times.items():
+        ok = isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
+        if not ok or t < 0 or (positive and t == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise ValueError(
+                f"{what} time of unit {unit} must be a finite number of seconds {bound}, got {t!r}"
+            )

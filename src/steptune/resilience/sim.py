@@ -276,7 +276,7 @@ def _layer_times(job: SimJob) -> tuple[tuple[float, ...], tuple[float, ...], tup
     bwd = tuple(max(x + y, _MIN_LAYER_S) for x, y in zip(b, w, strict=True))
     nbytes = tuple(x.params * _BYTES_PER_PARAM for x in model.layers)
     config = model.config
-    return fwd, bwd, nbytes, int(config.get("num_attention_heads", config.get("num_heads", 1)))
+    return fwd, bwd, nbytes, int(config.get("num_attention_heads", config.get("num_heads", 0)))
 
 
 RESCHEDULE_MAX_EXTRA = 3
@@ -527,7 +527,14 @@ def run(
             f"has {gpus}: lower tp, pp or dp, or pick a larger cluster"
         )
     fwd, bwd, nbytes, heads = _layer_times(job)
-    if heads > 1 and heads % job.tp:  # a preset that names no head count is not checked
+    if heads == 0 and job.tp > 1:
+        # it ran as one head: steptune's uneven TP shares put the whole group's work on one member (a sweep)
+        raise ValueError(
+            f"SimJob(tp={job.tp}): the {job.model} preset names no attention head count, so its TP shares "
+            "cannot be planned: use tp=1, or a preset with num_attention_heads"
+        )
+    heads = max(heads, 1)
+    if heads > 1 and heads % job.tp:
         raise ValueError(
             f"SimJob(tp={job.tp}): {job.model} has {heads} attention heads, which tp must divide (the "
             "planners split heads evenly): pick a tp that divides them"

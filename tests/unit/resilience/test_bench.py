@@ -78,3 +78,13 @@ def test_outputs_that_name_an_input_or_each_other_are_refused(tmp_path, capsys) 
     same = tmp_path / "same.png"
     assert main(["resilience", "bench", "--quick", "--json", str(same), "--plot", str(same)]) == 2
     assert "--json and --plot name the same file" in capsys.readouterr().err and not same.exists()
+
+
+def test_a_model_that_does_not_fit_the_bench_job_is_refused_before_any_row(tmp_path, capsys) -> None:
+    # A session-47 sweep: three qwen2.5-32b rows ran, then deepseek-v3-like raised and nothing was written
+    out = tmp_path / "b.json"
+    argv = ["resilience", "bench", "--quick", "--models", "qwen2.5-32b,deepseek-v3-like", "--json", str(out)]
+    assert main(argv) == 2
+    printed = capsys.readouterr()
+    assert "--models deepseek-v3-like does not fit the bench's job (TP 4, PP 16, DP 4" in printed.err
+    assert "qwen2.5-32b" not in printed.out and not out.exists()  # no row ran

@@ -118,3 +118,41 @@ def test_detector_scores_small_sample():
     assert scores["fixed-threshold"]["false_alarms_per_run"] >= 3
     with pytest.raises(ValueError, match="steps=1: a detection run needs at least 30 steps"):
         detector_scores(JobSpec(), runs=2, steps=1)  # said "high <= 0"
+
+
+def test_detectors_refuse_times_and_settings_that_would_blind_them():
+    # A session-47 sweep: one NaN in a unit's warm-up made its baseline NaN, and a later 2x slowdown of it
+    # never alarmed; consecutive=0 alarmed every healthy unit every step; HeartbeatMonitor(nan) never did
+    import math
+
+    from steptune.resilience.detect import (
+        ChangePointDetector,
+        FixedThresholdDetector,
+        HeartbeatMonitor,
+        ResiHPDetector,
+    )
+
+    det = ResiHPDetector()
+    with pytest.raises(ValueError, match="observed time of unit 1 must be a finite number"):
+        det.observe(0, {0: 1.0, 1: math.nan}, {0: 1.0, 1: 1.0})
+    with pytest.raises(ValueError, match="predicted time of unit 0 must be a finite number of seconds > 0"):
+        det.observe(0, {0: 1.0}, {0: 0.0})
+    with pytest.raises(ValueError, match=r"no predicted time for unit\(s\) \[1\]"):
+        det.observe(0, {0: 1.0, 1: 1.0}, {0: 1.0})
+    for bad in ({"consecutive": 0}, {"threshold": -0.1}, {"consecutive": 1.5}):
+        with pytest.raises(ValueError, match=r"threshold must be|consecutive must be"):
+            FixedThresholdDetector(**bad)
+    with pytest.raises(ValueError, match="timeout must be a finite number"):
+        HeartbeatMonitor(math.nan)
+    with pytest.raises(ValueError, match="no observed times"):
+        ChangePointDetector().observe(0, {})
+
+
+def test_a_preset_without_a_head_count_is_refused_under_tp():
+    # it ran as one head, and steptune's uneven shares put a whole TP group's work on one member (a sweep)
+    from steptune.resilience.policies import NoOp
+    from steptune.resilience.sim import SimJob, run
+
+    with pytest.raises(ValueError, match="names no attention head count"):
+        run(SimJob(model="qwen2-vl-7b-like", tp=4, pp=4, dp=2), NoOp(), [], 10.0)
+    assert run(SimJob(model="qwen2-vl-7b-like", tp=1, pp=4, dp=2), NoOp(), [], 10.0).tokens_per_s > 0
