@@ -109,7 +109,7 @@ class ResiHPDetector:
         if predicted is None:
             raise ValueError("ResiHPDetector needs predicted times (it is workload-aware)")
         cfg, alarms = self.config, []
-        _check_times(observed, "observed")
+        _check_times(observed, "observed")  # none (no unit ran this step): nothing to judge
         missing = [u for u in observed if u not in predicted]
         if missing:
             raise ValueError(
@@ -165,6 +165,8 @@ class FixedThresholdDetector:
         self, step: int, observed: Mapping[int, float], predicted: Mapping[int, float] | None = None
     ) -> list[Alarm]:
         _check_times(observed, "observed")
+        if not observed:
+            return []
         med = float(np.median(list(observed.values())))
         alarms = []
         for unit, obs in observed.items():
@@ -208,6 +210,8 @@ class ChangePointDetector:
         self, step: int, observed: Mapping[int, float], predicted: Mapping[int, float] | None = None
     ) -> list[Alarm]:
         _check_times(observed, "observed")
+        if not observed:  # no unit ran this step ("max() arg is an empty sequence" before)
+            return []
         x = max(observed.values())  # the step is as slow as its slowest unit
         self._xs.append(x)
         if len(self._xs) <= self.warmup:
@@ -271,10 +275,8 @@ class HeartbeatMonitor:
 
 
 def _check_times(times: Mapping[int, float], what: str, positive: bool = False) -> None:
-    """Every time a finite number >= 0 (> 0 with ``positive``), and at least one: one NaN in a unit's
+    """Every time a finite number >= 0 (> 0 with ``positive``): one NaN in a unit's
     warm-up made its baseline NaN, and no slowdown of it was ever found after (a sweep)."""
-    if not times:
-        raise ValueError(f"no {what} times: pass one per unit")
     for unit, t in times.items():
         ok = isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
         if not ok or t < 0 or (positive and t == 0):
