@@ -141,7 +141,7 @@ class GroupState:
             # no reduce-scatter follows in a group with nothing to train: its vacated slot stayed allocated
             # until the next forward (a frozen layer held its full unsharded size between steps, a sweep)
             and (
-                getattr(pg, "reduce_scatter_unused_params", False)  # torch 2.11 has none
+                getattr(pg, "reduce_scatter_unused_params", False)  # an older FSDP2 may lack it
                 or any(fp.sharded_param.requires_grad for fp in self.fsdp_params)
             )
         )
