@@ -46,18 +46,27 @@ class ModelNew(nn.Module):
 """
 
 
-def test_priority_order():
+@pytest.fixture(scope="module")
+def one_worker():
+    """One worker's pool shared by the tests that neither kill its processes nor change its roles (each
+    pool costs seconds of start-up: its template imports torch). The adversarial suite shares its pools
+    the same way; a candidate runs in its own process, so none sees another's."""
     with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
-        blocker = pool.submit(PROBLEM, SLOW.format(s=0.3))
-        time.sleep(0.2)
-        order = []
-        futs = [pool.submit(PROBLEM, GOOD, priority=p) for p in (0, 5, 1, 9)]
-        for p, f in zip((0, 5, 1, 9), futs, strict=True):
-            f.add_done_callback(lambda _, p=p: order.append(p))
-        assert blocker.result(60).verdict == "correct"
-        for f in futs:
-            assert f.result(60).verdict == "correct"
-        assert order == [9, 5, 1, 0]
+        yield pool
+
+
+def test_priority_order(one_worker):
+    pool = one_worker
+    blocker = pool.submit(PROBLEM, SLOW.format(s=0.3))
+    time.sleep(0.2)
+    order = []
+    futs = [pool.submit(PROBLEM, GOOD, priority=p) for p in (0, 5, 1, 9)]
+    for p, f in zip((0, 5, 1, 9), futs, strict=True):
+        f.add_done_callback(lambda _, p=p: order.append(p))
+    assert blocker.result(60).verdict == "correct"
+    for f in futs:
+        assert f.result(60).verdict == "correct"
+    assert order == [9, 5, 1, 0]
 
 
 def test_roles_change_while_running_without_preempting():
@@ -110,7 +119,7 @@ def test_a_killed_template_takes_its_workers_its_busy_request_runs_again_on_a_ne
         assert _two_good(pool) == ["correct"] * 2
         template, workers = pool.template_pid, pool.worker_pids()
         assert template is not None and len(workers) == 2
-        fut = pool.submit(PROBLEM, SLOW.format(s=2))
+        fut = pool.submit(PROBLEM, SLOW.format(s=0.5))  # 5 trials: busy for 2.5 s, killed after 0.5 s
         time.sleep(0.5)
         os.kill(template, signal.SIGKILL)
         res = fut.result(60)  # not the candidate's doing: run again on a new worker of a new template
@@ -232,7 +241,7 @@ def test_hundred_candidates_no_leak():
     print(f"100 candidates in {elapsed:.1f} s; rss {before[3] / 2**20:.0f} -> {after[3] / 2**20:.0f} MiB")
 
 
-def test_structure_and_exact_tolerances_are_judged_and_a_config_that_would_misjudge_is_refused():
+def test_structure_and_exact_tolerances_are_judged_and_a_config_that_would_misjudge_is_refused(one_worker):
     # Found in review: a tuple where the reference returns a tensor was judged correct, and ATOL = 0.0
     # fell back to the 1e-4 default (an off-by-1e-5 kernel was correct); trials=0 judged anything correct.
     import dataclasses
@@ -240,9 +249,12 @@ def test_structure_and_exact_tolerances_are_judged_and_a_config_that_would_misju
     exact = dataclasses.replace(PROBLEM, name="exact", atol=0.0, rtol=0.0)
     off = GOOD.replace("return x + x", "return x + x + 1e-5")
     as_tuple = GOOD.replace("return x + x", "return (x + x,)")
-    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
-        futs = [pool.submit(PROBLEM, as_tuple), pool.submit(exact, off), pool.submit(exact, GOOD)]
-        tup, offby, good = (f.result(60) for f in futs)
+    futs = [
+        one_worker.submit(PROBLEM, as_tuple),
+        one_worker.submit(exact, off),
+        one_worker.submit(exact, GOOD),
+    ]
+    tup, offby, good = (f.result(60) for f in futs)
     assert tup.verdict == "incorrect" and "a drop-in replacement must return the same structure" in tup.reason
     assert offby.verdict == "incorrect", offby
     assert good.verdict == "correct", good
@@ -253,7 +265,7 @@ def test_structure_and_exact_tolerances_are_judged_and_a_config_that_would_misju
             PoolConfig(**kw)
 
 
-def test_a_problem_whose_reference_fails_is_blamed_not_the_candidate(tmp_path, capsys):
+def test_a_problem_whose_reference_fails_is_blamed_not_the_candidate(one_worker, tmp_path, capsys):
     from steptune.cli import main
     from steptune.kernels.evaluate import PROBLEM_ERROR
 
@@ -262,8 +274,7 @@ def test_a_problem_whose_reference_fails_is_blamed_not_the_candidate(tmp_path, c
     path.write_text(broken)
     cand = tmp_path / "good.py"
     cand.write_text(GOOD)
-    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
-        res = pool.submit(Problem(name="broken", source=broken), GOOD).result(60)
+    res = one_worker.submit(Problem(name="broken", source=broken), GOOD).result(60)
     assert res.verdict == "crashed" and res.reason.startswith(PROBLEM_ERROR), res.reason
     assert (
         main(["kernels", "eval", "--problem", str(path), "--candidate", str(cand)]) == 2
@@ -278,7 +289,9 @@ def test_a_problem_whose_reference_fails_is_blamed_not_the_candidate(tmp_path, c
         ("torch.randint(0, 1000, x.shape)", "torch.zeros_like(x).long()"),
     ],
 )
-def test_a_reference_that_disagrees_with_itself_is_a_problem_error(tmp_path, capsys, draw, answer):
+def test_a_reference_that_disagrees_with_itself_is_a_problem_error(
+    one_worker, tmp_path, capsys, draw, answer
+):
     # Found in review: randomness in the reference's forward made every candidate `incorrect`, no hint why.
     from steptune.cli import main
     from steptune.kernels.evaluate import PROBLEM_ERROR
@@ -288,9 +301,8 @@ def test_a_reference_that_disagrees_with_itself_is_a_problem_error(tmp_path, cap
     path.write_text(source)
     cand = tmp_path / "good.py"
     cand.write_text(GOOD.replace("x + x", answer))
-    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
-        res = pool.submit(Problem(name="random_ref", source=source), cand.read_text()).result(60)
-        wrong = pool.submit(PROBLEM, WRONG).result(60)  # a deterministic reference still blames the kernel
+    res = one_worker.submit(Problem(name="random_ref", source=source), cand.read_text()).result(60)
+    wrong = one_worker.submit(PROBLEM, WRONG).result(60)  # a deterministic reference still blames the kernel
     assert res.verdict == "incorrect" and res.reason.startswith(PROBLEM_ERROR), res.reason
     assert "the reference is not deterministic" in res.reason and "output 0" in res.reason
     assert wrong.verdict == "incorrect" and not wrong.reason.startswith(PROBLEM_ERROR), wrong.reason
@@ -298,7 +310,7 @@ def test_a_reference_that_disagrees_with_itself_is_a_problem_error(tmp_path, cap
     assert "not deterministic" in capsys.readouterr().err
 
 
-def test_a_candidate_that_patches_torch_cannot_make_the_reference_look_random():
+def test_a_candidate_that_patches_torch_cannot_make_the_reference_look_random(one_worker):
     # Found in review: the determinism recheck ran after the candidate, so a wrong candidate that made
     # torch.relu random got a problem error, which stops the whole search.
     from steptune.kernels.evaluate import PROBLEM_ERROR
@@ -308,8 +320,7 @@ def test_a_candidate_that_patches_torch_cannot_make_the_reference_look_random():
         "class ModelNew",
         "_orig = torch.relu\ntorch.relu = lambda x: _orig(x) + torch.rand_like(x)\n\n\nclass ModelNew",
     ).replace("x + x", "x + 1")
-    with EvalPool(PoolConfig(num_workers=1, timeout_s=30)) as pool:
-        res = pool.submit(Problem(name="relu_ref", source=source), hijack).result(60)
+    res = one_worker.submit(Problem(name="relu_ref", source=source), hijack).result(60)
     # ... and since 2026-12-05 rebinding a torch function at all is rejected (it changed what the reference
     # computed: a candidate returning zeros from a patched torch.softmax was judged correct)
     assert res.verdict == "rejected" and not res.reason.startswith(PROBLEM_ERROR), res.reason
