@@ -23,7 +23,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_eval_prints_verdict_and_writes_json(tmp_path):
+def test_eval_prints_verdict_and_writes_json(tmp_path, capsys):
+    from steptune.cli import main
+
     out = tmp_path / "r.json"
     proc = _cli(
         "eval", "--problem", "rmsnorm", "--candidate", str(EXAMPLES / "rmsnorm/c_fast.py"), "--json", str(out)
@@ -33,12 +35,22 @@ def test_eval_prints_verdict_and_writes_json(tmp_path):
     res = json.loads(out.read_text())
     assert {"verdict", "reason", "speedup", "ref_time_s", "candidate_time_s"} <= set(res)
     assert res["verdict"] == "correct" and res["speedup"] > 1.0
-    bad = _cli("eval", "--problem", "softmax", "--candidate", str(EXAMPLES / "adversarial/wrong_shape.py"))
-    assert bad.returncode == 1 and "verdict    incorrect" in bad.stdout and "shape" in bad.stdout
-    missing = _cli("eval", "--problem", "nope", "--candidate", str(EXAMPLES / "rmsnorm/c_fast.py"))
-    assert missing.returncode == 2 and "unknown problem 'nope'" in missing.stderr
-    listing = _cli("problems")
-    assert listing.returncode == 0 and "softmax" in listing.stdout and "rmsnorm" in listing.stdout
+    capsys.readouterr()
+
+    def in_process(*args: str):  # `python -m steptune` exits with main's return value, as above
+        return main(["kernels", *args]), capsys.readouterr()
+
+    # The rest in-process: a subprocess spent 2-3 s importing torch for each.
+    code, bad = in_process(
+        "eval", "--problem", "softmax", "--candidate", str(EXAMPLES / "adversarial/wrong_shape.py")
+    )
+    assert code == 1 and "verdict    incorrect" in bad.out and "shape" in bad.out, bad
+    code, missing = in_process(
+        "eval", "--problem", "nope", "--candidate", str(EXAMPLES / "rmsnorm/c_fast.py")
+    )
+    assert code == 2 and "unknown problem 'nope'" in missing.err, missing
+    code, listing = in_process("problems")
+    assert code == 0 and "softmax" in listing.out and "rmsnorm" in listing.out, listing
 
 
 def test_replayed_llm_iteration_feeds_the_pool(tmp_path):
