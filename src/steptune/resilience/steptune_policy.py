@@ -158,15 +158,10 @@ class SteptunePolicy(ResiHPPolicy):
                 if cand is not None:
                     more.append(cand)
 
-        from steptune.resilience.baselines._common import _dead
-        from steptune.resilience.baselines.failstop import rebuilds
-
-        dead = _dead(plan, observed)
         # ResiHP's own replan, TP exclusion in place of shares: a member behind a very slow link paces
         # every TP all-reduce whatever its share, so only leaving the group helps (a sweep: 0.728x of
-        # ResiHP with one link at 0.055 of its bandwidth, TP4 PP2 DP2). Not after a death: there the
-        # greedy choice of it cost 0.2-0.4% in 7 fail-stop and mixed bench rows (one +0.9%).
-        if state.tp_shares and not dead:
+        # ResiHP with one link at 0.055 of its bandwidth, TP4 PP2 DP2).
+        if state.tp_shares:
             cand = try_replan(replace(state, tp_shares=False), plan, self.expected_slow_s, ctx.job.reconfig)
             if cand is not None:
                 more.append(cand)
@@ -174,7 +169,10 @@ class SteptunePolicy(ResiHPPolicy):
         # Oobleck's rebuild: a hit replica rebuilt at a lower TP degree from its survivors (whole nodes
         # dropped, or only the dead devices). Without it a stage whose every TP member died halted the job
         # (the TP members of stage 0 dead in every replica: 1.92e4 tokens/s against Oobleck's 1.28e5).
-        if dead:
+        from steptune.resilience.baselines._common import _dead
+        from steptune.resilience.baselines.failstop import rebuilds
+
+        if dead := _dead(plan, observed):
             more += rebuilds(plan, state, dead, ctx.gpus_per_node)
 
         def price(p: ExecutionPlan) -> float:
