@@ -158,14 +158,6 @@ class SteptunePolicy(ResiHPPolicy):
                 if cand is not None:
                     more.append(cand)
 
-        # ResiHP's own replan, TP exclusion in place of shares: a member behind a very slow link paces
-        # every TP all-reduce whatever its share, so only leaving the group helps (a sweep: 0.728x of
-        # ResiHP with one link at 0.055 of its bandwidth, TP4 PP2 DP2).
-        if state.tp_shares:
-            cand = try_replan(replace(state, tp_shares=False), plan, self.expected_slow_s, ctx.job.reconfig)
-            if cand is not None:
-                more.append(cand)
-
         # Oobleck's rebuild: a hit replica rebuilt at a lower TP degree from its survivors (whole nodes
         # dropped, or only the dead devices). Without it a stage whose every TP member died halted the job
         # (the TP members of stage 0 dead in every replica: 1.92e4 tokens/s against Oobleck's 1.28e5).
