@@ -26,13 +26,14 @@ from steptune.memory.autosac import auto_sac_context, auto_sac_decisions
 from steptune.memory.measure import (
     grads,
     max_abs_diff,
+    measure_last_free,
     measure_peak,
     measure_work,
     single_thread,
     time_policies,
 )
 from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
-from steptune.memory.plan import calibrate, last_free_plan, plan_within
+from steptune.memory.plan import calibrate, plan_within
 from steptune.memory.profile import profile_model
 
 __all__ = ["FIXED", "bench_table", "dominance", "pareto_plot", "run_bench"]
@@ -83,16 +84,7 @@ def run_bench(
         name = f"torch_auto_sac@{budget:.2f}"
         plans[name] = auto_sac_context(auto_sac_decisions(block, budget))
         rows[name] = measure(name, plans)
-    head_lf: list[int] = []
-    phases_lf: list[int] = []
-    last_free, _ = measure_peak(
-        model,
-        batch,
-        "tapesac_plan",
-        plans={"tapesac_plan": last_free_plan(profiles)},
-        head=head_lf,
-        phases=phases_lf,
-    )
+    last_free, head_lf, phases_lf = measure_last_free(model, batch, profiles)
     replay = rows["tapesac_replay"]
     peak_model = calibrate(
         profiles,

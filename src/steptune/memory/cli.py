@@ -62,9 +62,9 @@ def _parse_limit(text: str) -> float:
 
 def _plan(args: argparse.Namespace) -> int:
     from steptune.core.report import Table
-    from steptune.memory.measure import measure_peak, single_thread
+    from steptune.memory.measure import measure_last_free, measure_peak, single_thread
     from steptune.memory.models import MODEL_PRESETS, build_model, make_batch
-    from steptune.memory.plan import calibrate, last_free_plan, plan_within
+    from steptune.memory.plan import calibrate, plan_within
     from steptune.memory.profile import profile_model
 
     if args.model not in MODEL_PRESETS:
@@ -76,16 +76,7 @@ def _plan(args: argparse.Namespace) -> int:
     profiles = single_thread(profile_model, model, batch)
     head: list[int] = []
     floor, _ = measure_peak(model, batch, "tapesac_replay", head=head)
-    head_lf: list[int] = []
-    phases_lf: list[int] = []
-    last_free, _ = measure_peak(
-        model,
-        batch,
-        "tapesac_plan",
-        plans={"tapesac_plan": last_free_plan(profiles)},
-        head=head_lf,
-        phases=phases_lf,
-    )
+    last_free, head_lf, phases_lf = measure_last_free(model, batch, profiles)
     peak_model = calibrate(
         profiles, floor, last_free, head[0] if head else None, head_lf[0] if head_lf else None, phases_lf
     )

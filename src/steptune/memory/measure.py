@@ -42,6 +42,7 @@ __all__ = [
     "grads",
     "head_peak_probe",
     "max_abs_diff",
+    "measure_last_free",
     "measure_peak",
     "measure_work",
     "phase_probe",
@@ -247,6 +248,20 @@ def _measure_peak(
     if phases is not None and restart is not None:
         phases.extend(marks)
     return max(marks), sum(storages.values())
+
+
+def measure_last_free(
+    model: nn.Module, batch: dict[str, torch.Tensor], profiles: Mapping[Any, Any], blocks: Any = None
+) -> tuple[int, list[int], list[int]]:
+    """The calibration step whose last block keeps every packed value (``plan.last_free_plan``): its peak,
+    its head peak (``head``) and its phase peaks (``phases``), as ``plan.calibrate`` takes them."""
+    from steptune.memory.plan import last_free_plan
+
+    head: list[int] = []
+    phases: list[int] = []
+    plans = {"tapesac_plan": last_free_plan(dict(profiles))}
+    peak, _ = measure_peak(model, batch, "tapesac_plan", blocks, plans, head=head, phases=phases)
+    return peak, head, phases
 
 
 def _peak_restarter(tracker: Any) -> Callable[[], None] | None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from steptune.memory import TapeSACConfig, apply_tapesac_
-from steptune.memory.measure import grads, max_abs_diff, measure_peak
+from steptune.memory.measure import grads, max_abs_diff, measure_last_free, measure_peak
 from steptune.memory.models import build_model, make_batch
 from steptune.memory.plan import calibrate, last_free_plan, plan_saves, replay_cost
 from steptune.memory.profile import profile_model
@@ -20,16 +20,7 @@ def setup(request):
     profiles = profile_model(model, batch)
     head: list[int] = []
     floor, _ = measure_peak(model, batch, "tapesac_replay", head=head)
-    head_lf: list[int] = []
-    phases: list[int] = []
-    last_free, _ = measure_peak(
-        model,
-        batch,
-        "tapesac_plan",
-        plans={"tapesac_plan": last_free_plan(profiles)},
-        head=head_lf,
-        phases=phases,
-    )
+    last_free, head_lf, phases = measure_last_free(model, batch, profiles)
     top, _ = measure_peak(model, batch, "no_ac")
     assert len(head) == 1 and 0 < head[0] <= floor and len(head_lf) == 1
     assert len(phases) == 3 and max(phases) == last_free and phases[0] == head_lf[0]
