@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import math
 import os
 import random
@@ -378,7 +379,8 @@ class _Prepared:
     ref_ops: list[str]
     """The reference's compute ops in trial 0."""
     profile: list[tuple[list[Any], Any]] | None
-    """The profiling draws (``_PROFILE_DRAWS``) and the reference's output on each."""
+    """The profiling draws (``_PROFILE_DRAWS`` timed ones, then ``_UNSEEN_DRAWS`` called once each after the
+    rounds) and the reference's output on each."""
     namespaces: _Namespaces
 
 
@@ -408,7 +410,7 @@ def _prepare(problem: dict[str, Any], workdir: Path, device: str, trials: int, p
             timed = None
             if profile:
                 timed = []
-                for k in range(_PROFILE_DRAWS):
+                for k in range(_PROFILE_DRAWS + _UNSEEN_DRAWS):
                     _seed_all(seed + 99 + 100 * k)
                     inputs = _to(list(_draw(prob, f"profiling draw {k}")), device)
                     timed.append((inputs, _call(ref, _clones(inputs), f"the reference (profiling draw {k})")))
@@ -713,6 +715,14 @@ _PROFILE_DRAWS = 2
 """Profiling draws: timed calls alternate between them, and each call bumps its inputs' version counters
 first. Candidates that memoized their output by input identity, pointer, or pointer and version were timed
 returning a cached copy: "correct" at 16-46x on a matmul (a session-47 sweep)."""
+_UNSEEN_DRAWS = 5
+"""Draws each side is timed on once, after the rounds: a kernel far slower on values it has not seen than on
+the timed draws (a result cached by the inputs' contents: "correct" at 6.5-18.8x on a matmul) has its speedup
+withheld."""
+_UNSEEN_SLOWDOWN = 2.5
+"""How many times lower the speedup on unseen draws (median of per-draw ratios) may be than the timed one.
+Honest kernels on the ten example problems: at most 1.92 (66 profiles, two at once on two cores); a cache
+keyed by a hash of the inputs' bytes (1.53x timed, 0.50x unseen): 3.06."""
 
 
 class _Alternating:
@@ -770,11 +780,12 @@ def _rebuilt_scalars(x: Any) -> Any:
 
 def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dict[str, Any]:
     assert prep.profile is not None
-    outs_r = [out for _, out in prep.profile]
-    new_ins = [_clones(inputs) for inputs, _ in prep.profile]
+    draws, unseen = prep.profile[:_PROFILE_DRAWS], prep.profile[_PROFILE_DRAWS:]
+    outs_r = [out for _, out in draws]
+    new_ins = [_clones(inputs) for inputs, _ in draws]
     rounds, round_s = int(job.get("rounds", 15)), float(job.get("round_s", 0.005))
     picks = random.Random(int(job["problem"].get("seed", 0)) ^ 0x71AE)
-    f_ref = _Alternating(prep.ref, [_clones(inputs) for inputs, _ in prep.profile])
+    f_ref = _Alternating(prep.ref, [_clones(inputs) for inputs, _ in draws])
     f_new = _Alternating(new, new_ins)
 
     with torch.no_grad():
@@ -826,7 +837,9 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
                 "a call on inputs overwritten in place with other values (a result cached by input identity?)"
             )
             _compare(out, outs_r[1], job["problem"], where)
-    return {
+        seen = _time_unseen(new, prep.ref, unseen, job["problem"], flush)
+        _check_state(state, "the candidate, while it was timed on unseen draws,")
+    res = {
         "ref_time_s": statistics.median(t_ref),
         "candidate_time_s": statistics.median(t_new),
         "speedup": statistics.median(ratios),
@@ -834,6 +847,38 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
         "calls_per_round": n,
         "round_ratios": [round(x, 4) for x in ratios],
     }
+    if seen:
+        # median of per-draw ratios, each from two adjacent single calls, as the rounds' ratios are
+        res["unseen_speedup"] = statistics.median(seen)
+        res["unseen_draw_ratios"] = [round(x, 4) for x in seen]
+        # how much lower the speedup was on values the candidate had not seen than on the timed draws
+        slowdown = res["speedup"] / max(res["unseen_speedup"], 1e-12)
+        res["unseen_slowdown"] = round(slowdown, 4)
+        if slowdown > _UNSEEN_SLOWDOWN:
+            res["suspicious"] = True
+            res["unseen_reason"] = (
+                f"{res['speedup']:.2f}x while timed but {res['unseen_speedup']:.2f}x on {len(seen)} draws "
+                "it had not seen: a result cached by the inputs' contents? The speedup is withheld"
+            )
+    return res
+
+
+def _time_unseen(
+    new: Any, ref: Any, unseen: list[tuple[list[Any], Any]], problem: dict[str, Any], flush: Any
+) -> list[float]:
+    """Each side timed once on each unseen draw (fresh copies, so equally warm; the order alternates), the
+    candidate's output checked: the reference-to-candidate time ratio per draw."""
+    ratios = []
+    for k, (inputs, want) in enumerate(unseen):
+        order = [("ref", ref), ("new", new)] if k % 2 == 0 else [("new", new), ("ref", ref)]
+        took: dict[str, float] = {}
+        for name, fn in order:
+            call = functools.partial(fn, *_clones(inputs))
+            took[name], out = _time_cuda(call, 1, flush, 0) if flush is not None else _time_cpu(call, 1, 0)
+            if name == "new":
+                _compare(out, want, problem, f"a call on a draw it had not seen (unseen draw {k})")
+        ratios.append(took["ref"] / max(took["new"], 1e-12))
+    return ratios
 
 
 def _uses_triton(source: str) -> bool:
@@ -874,6 +919,8 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
         if job["kind"] == "profile" and out.get("speedup", 0.0) > float(job.get("excessive_speedup", 10.0)):
             out["reason"] = f"speedup {out['speedup']:.1f}x is suspiciously high: check the kernel by hand"
             out["suspicious"] = True
+        if "unseen_reason" in out:
+            out["reason"] = "; ".join(r for r in (out["reason"], out.pop("unseen_reason")) if r)
     except _Verdict as v:
         out.update(v.extra, verdict=v.verdict, reason=v.reason)
     except MemoryError:
