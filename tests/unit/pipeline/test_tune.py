@@ -143,3 +143,14 @@ def test_head_split_helps_when_the_head_dominates():
     assert with_split.best.schedule.meta["head_split"] > 1
     assert with_split.best.makespan < 0.9 * without.best.makespan
     assert without.best.schedule.meta["head_split"] == 1
+
+
+def test_multi_start_stops_once_its_draws_repeat():
+    # Two sequential stages have 36 list policies per base: the search drew and re-simulated repeats
+    # until 70% of its budget (here 7 s); now it stops after 200 repeats in a row, then local search runs
+    layers = random_layers(0)
+    cfg = TuneConfig(num_devices=2, num_microbatches=4, families=("seq",), split_head=False, time_budget=10.0)
+    res = tune(layers, cfg)
+    assert res.seconds < 3.0, res.seconds
+    fitting = [c.makespan for c in res.anchors.values() if c.memory_ok]
+    assert res.best.makespan <= min(fitting) * (1 + 1e-9)
