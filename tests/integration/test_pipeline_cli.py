@@ -141,7 +141,21 @@ def test_a_tuned_schedule_names_its_model_when_simulated_with_another(tmp_path, 
     assert main([*sim, "--model", "llama3.1-8b"]) == 0
     assert "was tuned for llama2-7b; simulated with llama3.1-8b's costs" in capsys.readouterr().out
     assert main([*sim, "--model", "llama2-7b"]) == 0
-    assert "was tuned for" not in capsys.readouterr().out
+    assert "was tuned" not in capsys.readouterr().out
+    # ... and its cluster, efficiency and memory cap: simulate's defaults priced another setting silently
+    argv += ["--cluster", "dgx-h200", "--efficiency", "0.4", "--memory-cap", "60GB"]
+    assert main([*argv, "--time-budget", "0", "--out", str(tuned)]) == 0
+    meta = json.loads((tuned / "schedule.json").read_text())["meta"]
+    assert (meta["cluster"], meta["efficiency"], meta["memory_cap"]) == ("dgx-h200", 0.4, 60e9)
+    capsys.readouterr()
+    assert main([*sim, "--model", "llama2-7b"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the notes wrap at the terminal's width
+    assert "was tuned with --cluster dgx-h200, simulated with --cluster dgx-h100" in out
+    assert "was tuned with --efficiency 0.4, simulated with --efficiency 0.5" in out
+    assert "was tuned with --memory-cap 6e+10, simulated with no --memory-cap" in out
+    same = ["--cluster", "dgx-h200", "--efficiency", "0.4", "--memory-cap", "60e9"]
+    assert main([*sim, "--model", "llama2-7b", *same]) == 0
+    assert "was tuned" not in capsys.readouterr().out
 
 
 def test_outputs_over_the_schedule_they_read_are_refused(tmp_path, capsys):

@@ -112,12 +112,46 @@ def _tune(args: argparse.Namespace) -> int:
     ]
     table.print()
     full = resimulate(best, layers, link=link)
-    # the model rides in the schedule, so that `pipeline simulate --model` can name it on a mismatch
-    tuned = replace(best.schedule, meta={**best.schedule.meta, "model": args.model})
+    # the cost settings ride in the schedule, so that `pipeline simulate --model` can name a mismatch
+    tuned = replace(best.schedule, meta={**best.schedule.meta, **_cost_settings(args)})
     paths = _write_outputs(args.out, tuned, full, f"tuned: {best.recipe}")
     paths += list(table.write(args.out / "comparison"))
     print("wrote: " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _cost_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings a schedule is tuned with: model, cluster, efficiency, memory cap (None: the device's)."""
+    return {
+        "model": args.model,
+        "cluster": args.cluster,
+        "efficiency": args.efficiency,
+        "memory_cap": args.memory_cap,
+    }
+
+
+def _settings_notes(name: str, meta: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Notes for the cost settings the schedule was tuned under that this simulation does not use."""
+    if meta.get("model") and meta["model"] != args.model:  # same unit count, other model: its own note
+        return [
+            f"{name} was tuned for {meta['model']}; simulated with {args.model}'s costs, for which it is not "
+            "tuned"
+        ]
+
+    def said(flag: str, value: Any) -> str:
+        if value is None:
+            return f"no {flag} (the device's memory)"
+        return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+
+    now, notes = _cost_settings(args), []
+    flags = (("cluster", "--cluster"), ("efficiency", "--efficiency"), ("memory_cap", "--memory-cap"))
+    for key, flag in flags:
+        if key in meta and meta[key] != now[key]:
+            notes.append(
+                f"{name} was tuned with {said(flag, meta[key])}, simulated with {said(flag, now[key])}: "
+                "pass the tuner's settings to simulate what it tuned"
+            )
+    return notes
 
 
 def _memory_bound_notes(res: Any, cap: float) -> list[str]:
@@ -183,12 +217,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 f"simulated with the uniform partition {list(part)} and the head {head}; the tuner's "
                 "schedule.json carries its partition and head split"
             )
-        tuned = sched.meta.get("model")
-        if tuned and tuned != args.model:  # same unit count, other model: its numbers, not the schedule's
-            notes.append(
-                f"{args.schedule.name} was tuned for {tuned}; simulated with {args.model}'s costs, for which "
-                "it is not tuned"
-            )
+        notes += _settings_notes(args.schedule.name, sched.meta, args)
         costs = stage_costs(layers, part, link=link)
     else:  # unit costs: F = I = W = 1, free communication
         if args.memory_cap is not None:
