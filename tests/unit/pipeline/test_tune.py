@@ -117,6 +117,13 @@ def test_memory_cap_is_respected_and_infeasible_cap_is_explained():
     suggested = float(str(err.value).split("a cap of ")[1].split(" B")[0])
     res = tune(layers, TuneConfig(num_devices=4, num_microbatches=8, memory_cap=suggested, time_budget=1.0))
     assert max(res.best.result.peak_memory) <= suggested * (1 + 1e-9)
+    # ... and it is the lowest cap that fits, to 0.1% (it was the lowest peak of the schedules built under
+    # the refused cap: 3.8x too high for llama2-7b at P=16, M=256)
+    with pytest.raises(ValueError, match="no schedule fits memory_cap"):
+        tune(
+            layers,
+            TuneConfig(num_devices=4, num_microbatches=8, memory_cap=suggested * 0.999, time_budget=1.0),
+        )
     with pytest.raises(ValueError, match=r"use more devices$"):  # one microbatch: no "fewer microbatches"
         tune(layers, TuneConfig(num_devices=4, num_microbatches=1, memory_cap=1e6, time_budget=1.0))
 
