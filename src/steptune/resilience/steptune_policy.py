@@ -158,13 +158,24 @@ class SteptunePolicy(ResiHPPolicy):
                 if cand is not None:
                     more.append(cand)
 
-        # Oobleck's rebuild: a hit replica rebuilt at a lower TP degree from its survivors (whole nodes
-        # dropped, or only the dead devices). Without it a stage whose every TP member died halted the job
-        # (the TP members of stage 0 dead in every replica: 1.92e4 tokens/s against Oobleck's 1.28e5).
         from steptune.resilience.baselines._common import _dead
         from steptune.resilience.baselines.failstop import rebuilds
 
-        if dead := _dead(plan, observed):
+        dead = _dead(plan, observed)
+        # ResiHP's own replan, TP exclusion in place of shares, while a used device's link is slow and
+        # nobody is dead: a member behind a very slow link paces every TP all-reduce whatever its share,
+        # so only leaving the group helps (a sweep: 0.728x of ResiHP at one link at 0.055 of its
+        # bandwidth, TP4 PP2 DP2). Weighed for every fault, the greedy choice of it lost 0.2-0.7% in 11
+        # fail-stop and mixed bench rows.
+        if state.tp_shares and not dead and _slow_link_in(plan, observed, len(state.speeds)):
+            cand = try_replan(replace(state, tp_shares=False), plan, self.expected_slow_s, ctx.job.reconfig)
+            if cand is not None:
+                more.append(cand)
+
+        # Oobleck's rebuild: a hit replica rebuilt at a lower TP degree from its survivors (whole nodes
+        # dropped, or only the dead devices). Without it a stage whose every TP member died halted the job
+        # (the TP members of stage 0 dead in every replica: 1.92e4 tokens/s against Oobleck's 1.28e5).
+        if dead:
             more += rebuilds(plan, state, dead, ctx.gpus_per_node)
 
         def price(p: ExecutionPlan) -> float:
@@ -179,3 +190,11 @@ class SteptunePolicy(ResiHPPolicy):
         if self._adapted:
             return ctx.rescheduled_step_time(plan, speeds)
         return ctx.step_time(plan, speeds)
+
+
+def _slow_link_in(plan: ExecutionPlan, observed: tuple[float, ...], n: int) -> bool:
+    """Whether ``observed`` (n compute factors, then n link factors under a communication model) shows a
+    slow link on a device ``plan`` uses."""
+    if len(observed) < 2 * n:
+        return False
+    return any(observed[n + d] < 1.0 for g in plan.tp_groups for d in g)

@@ -247,3 +247,16 @@ def test_steptune_rebuilds_a_replica_whose_stage_lost_every_tp_member():
     assert got["resihp"].halted_s > 3000  # ResiHP keeps the paper's planner
     assert got["steptune"].halted_s < 10 and got["steptune"].tokens_per_s > 4 * got["resihp"].tokens_per_s
     assert got["steptune"].tokens_per_s <= got["oracle"].tokens_per_s
+
+
+def test_steptune_excludes_a_tp_member_behind_a_very_slow_link():
+    # A session-47 sweep: with one link at 0.055 of its bandwidth, uneven TP shares kept the member in its
+    # group, and every TP all-reduce ran at its link's pace: steptune 0.728x of ResiHP, which excludes it.
+    from steptune.resilience.bench import DetectorCosts, make_policies
+    from steptune.resilience.sim import FailureEvent, SimJob, run
+
+    job = SimJob(model="llama2-7b", tp=4, pp=2, dp=2, global_microbatches=8, comm=True)
+    fails = [FailureEvent(kind="fail-slow", device=8, start_s=146.4, factor=0.055, target="link")]
+    mk = make_policies(DetectorCosts())
+    got = {p: run(job, mk[p](), fails, 600.0).tokens_per_s for p in ("resihp", "steptune", "oracle")}
+    assert got["resihp"] <= got["steptune"] <= got["oracle"] * (1 + 1e-9), got
