@@ -59,9 +59,16 @@ class LayerCosts:
     static_bytes: tuple[float, ...]
     """Parameters, gradients and optimizer state held for the whole step."""
     names: tuple[str, ...] = ()
+    head_carry_bytes: float | None = None
+    """Bytes between two shards of a vocabulary-split head (``split_layer``): ``vocab_head``'s boundary,
+    H + 4 fp32 channels per token (``layer_costs`` sets it); None: the previous layer's output."""
 
     def __post_init__(self) -> None:
         _check_fields(self, "layer", ("f", "i", "w", "act_bytes", "out_bytes", "static_bytes"))
+        if self.head_carry_bytes is not None and not (
+            math.isfinite(self.head_carry_bytes) and self.head_carry_bytes >= 0
+        ):
+            raise ValueError(f"head_carry_bytes must be a finite number >= 0, got {self.head_carry_bytes}")
 
     @property
     def num_layers(self) -> int:
@@ -166,6 +173,7 @@ def layer_costs(
         out_bytes=tuple(x.output_bytes_per_token * tokens * x.num_tokens_scale for x in layers),
         static_bytes=tuple(stored(x) * static_bytes_per_param for x in layers),
         names=tuple(x.name for x in layers),
+        head_carry_bytes=4.0 * (model.hidden_size + 4) * tokens,  # vocab_head: fp32 hidden, m, s, t, target
     )
 
 
@@ -286,9 +294,9 @@ def split_layer(
 
     A head split this way is a chain of vocabulary shards computing cross-entropy with an online
     softmax: each shard passes the hidden state plus the running max, sum and target logit to the
-    next (``carry_bytes``, default: the previous layer's output), and backward passes the global
-    log-sum-exp and the partial input gradient back. Compute, activations and parameters split
-    evenly; only the last part's output is the layer's own output.
+    next (``carry_bytes``, default: ``layers.head_carry_bytes``, else the previous layer's output), and
+    backward passes the global log-sum-exp and the partial input gradient back. Compute, activations
+    and parameters split evenly; only the last part's output is the layer's own output.
     """
     if num_parts < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")
@@ -296,7 +304,9 @@ def split_layer(
         return layers
     if not 0 <= index < layers.num_layers:
         raise ValueError(f"layer index {index} outside 0..{layers.num_layers - 1}")
-    carry = carry_bytes if carry_bytes is not None else (layers.out_bytes[index - 1] if index > 0 else 0.0)
+    carry = carry_bytes if carry_bytes is not None else layers.head_carry_bytes
+    if carry is None:
+        carry = layers.out_bytes[index - 1] if index > 0 else 0.0
 
     def rep(values: tuple[float, ...], parts: list[float]) -> tuple[float, ...]:
         return values[:index] + tuple(parts) + values[index + 1 :]
@@ -311,4 +321,5 @@ def split_layer(
         out_bytes=rep(layers.out_bytes, [carry] * (k - 1) + [layers.out_bytes[index]]),
         static_bytes=rep(layers.static_bytes, [layers.static_bytes[index] / k] * k),
         names=names[:index] + tuple(f"{names[index]}[{j}/{k}]" for j in range(k)) + names[index + 1 :],
+        head_carry_bytes=layers.head_carry_bytes,
     )

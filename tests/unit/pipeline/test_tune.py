@@ -60,6 +60,12 @@ def test_split_layer_preserves_work_and_lowers_the_bound():
     assert split.total() == pytest.approx(layers.total())
     assert sum(split.static_bytes) == pytest.approx(sum(layers.static_bytes))
     assert split.names[-1] == "head[3/4]"
+    # the shards pass vocab_head's boundary, H + 4 fp32 channels per token, not the bf16 hidden state
+    # (priced at half its bytes before session 48)
+    spec = model_preset("gemma-2b")
+    tokens = spec.seq_len
+    assert split.out_bytes[-4:-1] == (4.0 * (spec.hidden_size + 4) * tokens,) * 3
+    assert split.out_bytes[-5] == layers.out_bytes[-2] == 2.0 * spec.hidden_size * tokens
     # gemma-2b's head is heavier than an 8-device share: splitting it lowers the bound
     assert lower_bound(split, 8, 16) < lower_bound(layers, 8, 16)
 
