@@ -29,8 +29,17 @@ def test_simulate_one_policy_and_bad_input(tmp_path, capsys):
     out = tmp_path / "s.json"
     argv = ["resilience", "simulate", "--scenario", "fail-stop", "--policy", "resihp", "--model", "llama2-7b"]
     assert main([*argv, "--duration", "1800", "--json", str(out)]) == 0
-    res = json.loads(out.read_text())["policies"]["resihp"]
+    saved = json.loads(out.read_text())
+    res = saved["policies"]["resihp"]
     assert res["tokens_per_s"] > 0
+    # the failures come back as events (they were repr strings, without the run's duration or seed)
+    from steptune.resilience.scenarios import generate
+    from steptune.resilience.sim import FailureEvent
+
+    assert (saved["duration_s"], saved["seed"]) == (1800.0, 0)
+    inf = float("inf")  # strict JSON: a failure without an end (every fail-stop) is null
+    back = tuple(FailureEvent(**{**f, "duration_s": f["duration_s"] or inf}) for f in saved["failures"])
+    assert back == generate("fail-stop", num_devices=256, duration_s=1800.0, seed=0) and back
     assert "SIMULATED" in capsys.readouterr().out
     assert main(["resilience", "simulate", "--scenario", "nope"]) == 2
     assert "neither a CSV file" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -168,11 +168,18 @@ def _simulate(args: argparse.Namespace) -> int:
                 {
                     "scenario": args.scenario,
                     "model": args.model,
+                    "duration_s": args.duration,
+                    "seed": args.seed,
+                    "free_comm": args.free_comm,
                     "lengths": _lengths(args.lengths),
-                    "failures": [f.__repr__() for f in failures],
+                    # one object per failure, the scenario CSV's columns; duration_s null: persistent
+                    "failures": [
+                        {k: (None if v == math.inf else v) for k, v in asdict(f).items()} for f in failures
+                    ],
                     "policies": results,
                 },
                 indent=1,
+                allow_nan=False,
             )
         )
         print(f"wrote: {args.json}")

@@ -162,7 +162,8 @@ def read_csv(path: Path, *, num_devices: int | None = None) -> tuple[FailureEven
                 target=target[0] if target else "compute",
             )
         except ValueError as e:
-            raise ValueError(f"{path}:{line}: {e}") from e
+            field = str(e).split(":")[0]  # FailureEvent's range errors name their field first
+            raise ValueError(f"{path}:{line}: {'column ' if field in header else ''}{e}") from e
         if num_devices is not None and ev.device >= num_devices:
             raise ValueError(
                 f"{path}:{line}: device {ev.device} is not among the job's {num_devices} devices"

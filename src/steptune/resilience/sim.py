@@ -100,19 +100,28 @@ class FailureEvent:
     """What a fail-slow slows: the device's "compute" or its "link" bandwidth (``SimJob(comm=True)``)."""
 
     def __post_init__(self) -> None:
+        # each message names its field first: the scenario CSV's column of the same name
         if self.kind not in _KINDS:
-            raise ValueError(f"failure kind {self.kind!r} must be one of {_KINDS}")
+            raise ValueError(f"kind: failure kind {self.kind!r} must be one of {_KINDS}")
         if self.target not in _TARGETS or (self.target == "link" and self.kind != "fail-slow"):
-            raise ValueError(f"failure target {self.target!r} must be one of {_TARGETS} (link: fail-slows)")
-        if self.device < 0 or not 0 <= self.start_s < math.inf or not self.duration_s > 0:
-            raise ValueError("failure needs device >= 0, a finite start_s >= 0 and duration_s > 0 (or inf)")
+            raise ValueError(
+                f"target: failure target {self.target!r} must be one of {_TARGETS} (link: fail-slows)"
+            )
+        if self.device < 0:
+            raise ValueError(f"device: a device id is >= 0, got {self.device}")
+        if not 0 <= self.start_s < math.inf:
+            raise ValueError(f"start_s: a failure starts at a finite time >= 0 seconds, got {self.start_s}")
+        if not self.duration_s > 0:
+            raise ValueError(f"duration_s: a failure lasts > 0 seconds (or inf), got {self.duration_s}")
         if self.kind == "fail-slow" and not 0 < self.factor <= 1:
             hint = f"; a {self.factor:g}x slowdown is factor {1 / self.factor:.4g}" if self.factor > 1 else ""
-            raise ValueError(f"fail-slow factor {self.factor} must lie in (0, 1] (0.5 = half speed){hint}")
+            raise ValueError(
+                f"factor: fail-slow factor {self.factor} must lie in (0, 1] (0.5 = half speed){hint}"
+            )
         if self.kind == "fail-slow" and self.factor < MIN_FACTOR:
             raise ValueError(
-                f"fail-slow factor {self.factor:g} is below {MIN_FACTOR:g} (a million-fold slowdown): "
-                "a device that slow is hung; write it as a fail-stop"
+                f"factor: fail-slow factor {self.factor:g} is below {MIN_FACTOR:g} (a million-fold "
+                "slowdown): a device that slow is hung; write it as a fail-stop"
             )
 
     @property

@@ -40,8 +40,20 @@ def test_csv_round_trip_and_errors(tmp_path: Path) -> None:
     assert p.read_text().startswith("kind,device,start_s,duration_s,factor,target\n")
     assert read_csv(p) == links
     bad = tmp_path / "bad.csv"
-    bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,1,10,inf,1.7\n")
-    with pytest.raises(ValueError, match=r"bad\.csv:2"):
+    head = "kind,device,start_s,duration_s,factor\n"
+    # range errors name the column too (they named the line only)
+    for row, column in (
+        ("fail-slow,1,10,inf,1.7", "factor"),
+        ("fail-slow,-1,10,inf,0.5", "device"),
+        ("fail-slow,1,-3,inf,0.5", "start_s"),
+        ("fail-slow,1,10,0,0.5", "duration_s"),
+        ("fail-slo,1,10,inf,0.5", "kind"),
+    ):
+        bad.write_text(head + row + "\n")
+        with pytest.raises(ValueError, match=rf"bad\.csv:2: column {column}: "):
+            read_csv(bad)
+    bad.write_text(head.replace("factor", "factor,target") + "fail-stop,1,10,inf,1,link\n")
+    with pytest.raises(ValueError, match=r"bad\.csv:2: column target: "):
         read_csv(bad)
     bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,1,10,inf,5e-324\n")
     with pytest.raises(ValueError, match=r"bad\.csv:2: .*hung; write it as a fail-stop"):
