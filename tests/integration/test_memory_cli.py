@@ -25,7 +25,9 @@ def test_compare_rejects_an_unknown_model(capsys):
 
 
 def test_plan_prints_a_plan_and_rejects_an_infeasible_limit(capsys):
-    assert main(["memory", "plan", "--model", "qwen3-tiny", "--limit", "0.85"]) == 0
+    # at the no-checkpointing peak every value fits, so the last block is kept whole whatever the measured
+    # replay times (at 0.85 the plan depended on them, and the note below could vanish on a loaded box)
+    assert main(["memory", "plan", "--model", "qwen3-tiny", "--limit", "1.0"]) == 0
     printed = capsys.readouterr().out
     assert "TapeSAC plan for qwen3-tiny" in printed
     # the last block's decision was planned but never shown (a 2026-12-05 sweep)
