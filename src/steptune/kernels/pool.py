@@ -72,6 +72,11 @@ class PoolConfig:
     device: str = "cpu"
     """`cpu`, or `cuda` where a GPU is present (CUDA events and L2 flush)."""
     seed: int = 0
+    """Seed of the validation draws (trial k: seed + 1000 + k)."""
+    profile_seed: int | None = None
+    """Seed of the profiling draws; None: a fresh secret per job (63 bits, in ``Result.extra``'s
+    ``profile_seed`` to reproduce a run). A public one let a candidate precompute every draw's answer in
+    its constructor and look it up while timed (about 6x on a matmul, past every other check)."""
     fork_workers: bool = True
     """Fork workers from one pre-imported template process (about 20 ms each, a dead worker replaced as
     fast) instead of starting each as a fresh interpreter (seconds: it imports torch). Linux only; where
@@ -363,6 +368,7 @@ class EvalPool:
             },
             "trials": cfg.trials,
             "rounds": cfg.rounds,
+            "profile_seed": cfg.profile_seed,
             "round_s": cfg.round_s,
             "device": cfg.device,
             "limits": {

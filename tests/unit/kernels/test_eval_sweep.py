@@ -128,7 +128,8 @@ def test_results_memoized_by_input_identity_are_not_timed_as_speedups(pools):
     res = checked.submit(MM, _memo("(a[0].data_ptr(), a[0]._version, a[1]._version)"), kind="profile")
     res = res.result(timeout=120)
     stale = res.verdict == "incorrect" and "a draw it had not seen" in res.reason
-    assert stale or (res.verdict == "correct" and res.speedup < 3.0), (res.verdict, res.speedup, res.reason)
+    computed = res.verdict == "correct" and res.speedup < 3.0 and not res.extra.get("suspicious")
+    assert stale or computed, (res.verdict, res.speedup, res.reason)
     honest = checked.submit(MM, _candidate(f"return {EINSUM}"), kind="profile").result(timeout=120)
     assert honest.verdict == "correct" and not honest.extra.get("suspicious"), honest.reason
     assert 0.2 < honest.extra["unseen_speedup"] < 5.0, honest.extra
@@ -354,3 +355,43 @@ def test_candidates_that_change_the_evaluator_or_torch_globals_are_rejected(
         return
     verdict, reason = _verdict(bare, SOFTMAX, source, kind)  # past the static checks, the run time's
     assert verdict != "correct" and runtime in reason, reason
+
+
+PRECOMPUTED = _candidate(
+    "o = self.c.get(float(a[0][0, 0]))\n        return o.clone() if o is not None else " + EINSUM,
+    init=(
+        "self.c = {}\n        for s in [1000 + t for t in range(5)] + [99 + 100 * k for k in range(7)]:\n"
+        "            torch.manual_seed(s)\n            x, y = torch.randn(160, 160), torch.randn(160, 160)\n"
+        "            self.c[float(x[0, 0])] = torch.einsum('ij,jk->ik', x, y)"
+    ),
+)
+
+
+def test_profiling_draws_come_from_a_secret_seed(pools):
+    # A red team (session 48): the profiling draws were seeded from the public seed, so a candidate
+    # regenerated all of them and their answers in __init__ and looked them up while timed, unseen draws
+    # included ("correct", about 6x on this matmul with a spin to stay under the 10x flag)
+    checked, _ = pools
+    res = checked.submit(MM, PRECOMPUTED, kind="profile").result(timeout=120)
+    assert res.verdict == "correct" and res.speedup < 2.0 and not res.extra.get("suspicious"), res.extra
+    other = checked.submit(MM, PRECOMPUTED, kind="profile").result(timeout=120)
+    assert res.extra["profile_seed"] != other.extra["profile_seed"]
+    # a given seed reproduces the draws (the validation draws keep the public seed)
+    with EvalPool(PoolConfig(num_workers=1, timeout_s=30, profile_seed=res.extra["profile_seed"])) as pool:
+        again = pool.submit(MM, PRECOMPUTED, kind="profile").result(timeout=120)
+    assert again.extra["profile_seed"] == res.extra["profile_seed"]
+
+
+def test_draws_of_unequal_work_are_not_compared(pools):
+    # A loop count drawn per call: the two timed draws ran 7 and 6 iterations, the unseen ones 1-6, so an
+    # exact closed form was 10.5x timed and 1.73x unseen, and its speedup was withheld as a cache
+    checked, _ = pools
+    problem = _problem(
+        "loop",
+        "y = a[0]\n        for _ in range(a[1]):\n            y = y * 0.5 + 1.0\n        return y",
+        "[torch.randn(256, 256), random.randint(1, 8)]",
+    )
+    closed = _candidate("c = 0.5 ** a[1]\n        return a[0] * c + 2.0 * (1.0 - c)")
+    res = checked.submit(problem, closed, kind="profile").result(timeout=120)
+    assert res.verdict == "correct" and not res.extra.get("suspicious"), (res.reason, res.extra)
+    assert "differ in shapes or non-tensor inputs" in res.extra["unseen_note"]
