@@ -153,6 +153,9 @@ def test_a_tuned_schedule_names_its_model_when_simulated_with_another(tmp_path, 
     assert "was tuned with --cluster dgx-h200, simulated with --cluster dgx-h100" in out
     assert "was tuned with --efficiency 0.4, simulated with --efficiency 0.5" in out
     assert "was tuned with --memory-cap 6e+10, simulated with no --memory-cap" in out
+    assert main(sim) == 0  # no --model: unit costs, said (a session-48 sweep found no note)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "was tuned for llama2-7b; simulated with unit costs" in out
     same = ["--cluster", "dgx-h200", "--efficiency", "0.4", "--memory-cap", "60e9"]
     assert main([*sim, "--model", "llama2-7b", *same]) == 0
     assert "was tuned" not in capsys.readouterr().out

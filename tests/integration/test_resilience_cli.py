@@ -56,6 +56,10 @@ def test_simulate_one_policy_and_bad_input(tmp_path, capsys):
     bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,3,1,inf,1.6\n")
     assert main(["resilience", "simulate", "--scenario", str(bad)]) == 2
     assert "a 1.6x slowdown is factor 0.625" in capsys.readouterr().err
+    # --seed with a CSV and mean lengths does nothing: said (it was silent)
+    bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,3,1,inf,0.5\n")
+    assert main(["resilience", "simulate", "--scenario", str(bad), "--duration", "60", "--seed", "5"]) == 0
+    assert "--seed has no effect with a CSV scenario and --lengths mean" in capsys.readouterr().err
     assert main(["resilience", "simulate", "--scenario", str(tmp_path / "missing.csv")]) == 2
     assert "missing.csv': no such file" in capsys.readouterr().err
 

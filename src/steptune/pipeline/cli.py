@@ -227,6 +227,12 @@ def _simulate(args: argparse.Namespace) -> int:
         warn_ignored(args, ("cluster", "efficiency"), "without --model (unit costs)")
         cap = None
         costs = StageCosts.uniform(sched.num_stages)
+        if sched.meta.get("model"):  # a tuned schedule: its model's costs were one flag away (a sweep)
+            notes.append(
+                f"{args.schedule.name} was tuned for {sched.meta['model']}; simulated with unit costs "
+                f"(F = I = W = 1): pass --model {sched.meta['model']} (and the tuner's other settings) for "
+                "its seconds and bytes"
+            )
     res = simulate(sched, costs)
     timed = bool(args.model)  # seconds and bytes from the cost model; else unit costs and unit activations
     table = Table(

@@ -94,6 +94,8 @@ def _simulate(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"steptune resilience simulate: error: {e}", file=sys.stderr)
             return 2
+        if _lengths(args.lengths) is None:  # --seed seeds a generated scenario and the packed lengths
+            warn_ignored(args, ["seed"], "with a CSV scenario and --lengths mean")
     else:
         looks_like_path = args.scenario.endswith(".csv") or os.sep in args.scenario
         what = "no such file" if looks_like_path else "neither a CSV file nor a scenario name"

@@ -149,7 +149,17 @@ def read_csv(path: Path, *, num_devices: int | None = None) -> tuple[FailureEven
             continue
         try:
             if len(row) != len(header):
-                raise ValueError(f"expected {len(header)} fields, got {len(row)}")
+                fill = (
+                    f" (with a {_TARGET} column every row names one: compute or link)"
+                    if _TARGET in header
+                    else ""
+                )
+                raise ValueError(f"expected {len(header)} fields, got {len(row)}{fill}")
+            if row[0].strip() == "fail-slow-link":  # the generated scenario's name, not a row kind
+                raise ValueError(
+                    f"column kind: {row[0].strip()!r} is a scenario name; write the row as fail-slow with a "
+                    f"{_TARGET} column of link"
+                )
             kind, dev, start, dur, factor, *target = (x.strip() for x in row)
             ev = FailureEvent(
                 kind=kind,
@@ -166,7 +176,8 @@ def read_csv(path: Path, *, num_devices: int | None = None) -> tuple[FailureEven
             raise ValueError(f"{path}:{line}: {'column ' if field in header else ''}{e}") from e
         if num_devices is not None and ev.device >= num_devices:
             raise ValueError(
-                f"{path}:{line}: device {ev.device} is not among the job's {num_devices} devices"
+                f"{path}:{line}: column device: device {ev.device} is not among the job's {num_devices} "
+                f"devices (0..{num_devices - 1})"
             )
         if ev.kind == "fail-stop" and ev.device in stopped:
             raise ValueError(

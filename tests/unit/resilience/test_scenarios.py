@@ -55,6 +55,16 @@ def test_csv_round_trip_and_errors(tmp_path: Path) -> None:
     bad.write_text(head.replace("factor", "factor,target") + "fail-stop,1,10,inf,1,link\n")
     with pytest.raises(ValueError, match=r"bad\.csv:2: column target: "):
         read_csv(bad)
+    # a session-48 sweep: these said what was wrong but not what to write
+    bad.write_text(head.replace("factor", "factor,target") + "fail-slow,1,10,inf,0.5\n")
+    with pytest.raises(ValueError, match=r"every row names one: compute or link"):
+        read_csv(bad)
+    bad.write_text(head + "fail-slow-link,1,10,inf,0.5\n")
+    with pytest.raises(ValueError, match=r"column kind: .*write the row as fail-slow with a target column"):
+        read_csv(bad)
+    bad.write_text(head + "fail-slow,9,10,inf,0.5\n")
+    with pytest.raises(ValueError, match=r"bad\.csv:2: column device: .*\(0\.\.7\)"):
+        read_csv(bad, num_devices=8)
     bad.write_text("kind,device,start_s,duration_s,factor\nfail-slow,1,10,inf,5e-324\n")
     with pytest.raises(ValueError, match=r"bad\.csv:2: .*hung; write it as a fail-stop"):
         read_csv(bad)  # was an infinite stage cost deep in the simulator
