@@ -35,6 +35,10 @@ def test_eval_prints_verdict_and_writes_json(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert {"verdict", "reason", "speedup", "ref_time_s", "candidate_time_s"} <= set(res)
     assert res["verdict"] == "correct" and res["speedup"] > 1.0
+    # the unseen draws' speedup is printed, and the JSON says how many trials validated it (a session-48
+    # sweep read the profiling job's 1 as --trials ignored)
+    assert "unseen " in proc.stdout and "draws not timed before" in proc.stdout
+    assert res["validation_trials"] == 5
     capsys.readouterr()
 
     def in_process(*args: str):  # `python -m steptune` exits with main's return value, as above

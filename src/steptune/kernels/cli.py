@@ -40,6 +40,19 @@ def describe(res: Any, candidate: str) -> str:
             f"speedup    {res.speedup:.2f}x   reference {_fmt_time(res.ref_time_s)}, candidate "
             f"{_fmt_time(res.candidate_time_s)} (median of {rounds} interleaved rounds, paired ratios)"
         )
+        ratios = res.extra.get("round_ratios") or []
+        lo, hi = (min(ratios), max(ratios)) if ratios else (0.0, 0.0)
+        if lo > 0 and hi / lo > 2:  # a busy box: the times beside it may not divide to the speedup
+            lines.append(
+                f"noise      per-round ratios {lo:.2f}-{hi:.2f}x: the machine was busy while timed; rerun, "
+                "or raise --rounds"
+            )
+        if res.extra.get("unseen_speedup") is not None:
+            note, draws = res.extra.get("unseen_note"), len(res.extra.get("unseen_draw_ratios", []))
+            lines.append(
+                f"unseen     {res.extra['unseen_speedup']:.2f}x on {draws} draws not timed before (one call "
+                "each)" + (f"; {note}" if note else "")
+            )
     if res.max_abs_diff is not None:
         lines.append(f"max diff   {res.max_abs_diff:.3g} against the reference")
     if res.compile_s is not None:
@@ -99,6 +112,7 @@ def _eval(args: argparse.Namespace) -> int:
             "candidate_time_s": res.candidate_time_s,
             "problem": problem.name,
             "candidate": str(path),
+            "validation_trials": args.trials,  # details is the profiling job's (it re-validates on 1 trial)
             "details": res.to_json(),
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
