@@ -28,11 +28,18 @@ from steptune.resilience.runtime import Runtime, RuntimeConfig, SlowFault, fault
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=positive_int, default=60)
-    ap.add_argument("--slow-rank", type=non_negative_int, default=None)
-    ap.add_argument("--factor", type=float, default=1.6, help="slowdown factor, >= 1")
-    ap.add_argument("--at", type=non_negative_int, default=20, help="the first slow step")
-    ap.add_argument("--time-scale", type=positive_float, default=0.02)
+    ap.add_argument("--steps", type=positive_int, default=60, help="training steps (default: 60)")
+    ap.add_argument(
+        "--slow-rank", type=non_negative_int, default=None, help="the rank to slow down (default: none)"
+    )
+    ap.add_argument("--factor", type=float, default=1.6, help="slowdown factor, >= 1 (default: 1.6)")
+    ap.add_argument("--at", type=non_negative_int, default=20, help="the first slow step (default: 20)")
+    ap.add_argument(
+        "--time-scale",
+        type=positive_float,
+        default=0.02,
+        help="emulated device seconds slept per modelled second (default: 0.02)",
+    )
     ap.add_argument("--json", type=output_file, default=None, help="rank 0 writes its step reports here")
     args = ap.parse_args()
     if "RANK" not in os.environ:
