@@ -55,6 +55,9 @@ def test_eval_prints_verdict_and_writes_json(tmp_path, capsys):
     assert code == 2 and "unknown problem 'nope'" in missing.err, missing
     code, listing = in_process("problems")
     assert code == 0 and "softmax" in listing.out and "rmsnorm" in listing.out, listing
+    # bench --problems takes commas as the other verbs' list flags do ("softmax,nope" was one unknown name)
+    code, listed = in_process("bench", "--problems", "softmax,nope", "--repeats", "1")
+    assert code == 2 and "--problems nope: no fast and slow C examples" in listed.err, listed
 
 
 def test_replayed_llm_iteration_feeds_the_pool(tmp_path):

@@ -163,7 +163,9 @@ def _bench(args: argparse.Namespace) -> int:
         lane_table(report).print()
         return 0
     with console.status("profiling ...") as status:
-        report = run_bench(repeats=args.repeats, problems=args.problems or None, progress=status.update)
+        # spaces or commas, as the other verbs' list flags take them (a sweep: "a,b" was one unknown name)
+        names = [n for item in args.problems or () for n in item.split(",") if n]
+        report = run_bench(repeats=args.repeats, problems=names or None, progress=status.update)
     if args.json:  # first: nothing measured is lost if printing fails
         print(f"wrote: {write_json(report, args.json)}")
     bench_table(report).print()
@@ -379,7 +381,10 @@ def register(sub: Any) -> None:
     )
     be.add_argument("--repeats", type=positive_int, default=10, help="profiles per candidate (default: 10)")
     be.add_argument(
-        "--problems", nargs="*", default=None, help="subset of problems (default: all with examples)"
+        "--problems",
+        nargs="*",
+        default=None,
+        help="subset of problems, by spaces or commas (default: all with examples)",
     )
     be.add_argument("--json", type=output_file, default=None, help="write the report as JSON to this path")
     be.set_defaults(func=_bench)
