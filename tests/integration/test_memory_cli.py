@@ -24,11 +24,17 @@ def test_compare_rejects_an_unknown_model(capsys):
     assert "choose one of" in capsys.readouterr().err
 
 
-def test_plan_prints_a_plan_and_rejects_an_infeasible_limit(capsys):
+def test_plan_prints_a_plan_and_rejects_an_infeasible_limit(tmp_path, capsys):
     # at the no-checkpointing peak every value fits, so the last block is kept whole whatever the measured
     # replay times (at 0.85 the plan depended on them, and the note below could vanish on a loaded box)
-    assert main(["memory", "plan", "--model", "qwen3-tiny", "--limit", "1.0"]) == 0
+    out = tmp_path / "plan.json"
+    assert main(["memory", "plan", "--model", "qwen3-tiny", "--limit", "1.0", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
+    # --json keeps the plan (a session-48 sweep: plan was the only memory verb without it)
+    saved = json.loads(out.read_text())
+    assert saved["measured_peak_bytes"] <= saved["limit_bytes"] and saved["signatures"]
+    assert saved["last_block_kept_whole"] == "model.layers.1"
+    assert all(r["kept_bytes_per_block"] >= 0 and r["blocks"] >= 1 for r in saved["signatures"])
     assert "TapeSAC plan for qwen3-tiny" in printed
     # the last block's decision was planned but never shown (a 2026-12-05 sweep)
     assert "the last block, model.layers.1, keeps every value backward reads" in " ".join(printed.split())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,12 +106,24 @@ def _plan(args: argparse.Namespace) -> int:
             "replay ms/block",
         ],
     )
+    rows = []
     for key, block_plan in plan.blocks.items():
         p = profiles[key]
         producers = sorted(
             {
                 p.tape.nodes[p.tape.slots[sid].producer].name.removeprefix("aten.")
                 for sid, _ in block_plan.keep
+            }
+        )
+        rows.append(
+            {
+                "signature": p.name,
+                "blocks": p.num_blocks,
+                "kept_values": len(block_plan.keep),
+                "kept_producers": producers,
+                "kept_bytes_per_block": block_plan.kept_bytes,
+                "replayed_ops": len(block_plan.replay_nodes),
+                "replay_s_per_block": block_plan.replay_s,
             }
         )
         table.add(
@@ -133,6 +146,24 @@ def _plan(args: argparse.Namespace) -> int:
         f"predicted replay {plan.predicted_replay_s * 1e3:.1f} ms/step; "
         f"solver {plan.solver} in {plan.solve_s:.2f} s; costs measured on this machine"
     )
+    if args.json:  # first: nothing measured is lost if printing fails
+        out = {
+            "model": args.model,
+            "batch": list(batch["input_ids"].shape),
+            "limit_bytes": limit,
+            "limit": args.limit,
+            "measured_peak_bytes": peak,
+            "predicted_peak_bytes": plan.predicted_peak,
+            "predicted_replay_s_per_step": plan.predicted_replay_s,
+            "solver": plan.solver,
+            "solve_s": plan.solve_s,
+            "last_block_kept_whole": plan.last_block,
+            "signatures": rows,
+            "notes": list(table.notes),
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2, allow_nan=False) + "\n")
+        print(f"wrote: {args.json}")
     table.print()
     return 0
 
@@ -213,6 +244,7 @@ def register(sub: Any) -> None:
         "(e.g. 300MiB) or a fraction in (0, 1]",
     )
     pl.add_argument("--batch", type=positive_int, help="batch size (default: the preset's)")
+    pl.add_argument("--json", type=output_file, help="also write the plan and its figures to this JSON file")
     pl.add_argument("--seq", type=positive_int, help="sequence length (default: the preset's)")
     pl.add_argument(
         "--solver",
