@@ -239,10 +239,10 @@ def _simulate(args: argparse.Namespace) -> int:
         title=f"{sched.name}: {sched.num_devices} devices, {sched.num_stages} stages, "
         f"{sched.num_microbatches} microbatches (SIMULATED)",
         columns=["device", "busy s" if timed else "busy (units)", "idle s" if timed else "idle (units)",
-                 "peak memory GiB" if timed else "peak memory (activations)"],
+                 "peak memory GB" if timed else "peak memory (activations)"],
     )  # fmt: skip
     for d in range(sched.num_devices):
-        mem = res.peak_memory[d] / 2**30 if timed else res.peak_memory[d]
+        mem = res.peak_memory[d] / 1e9 if timed else res.peak_memory[d]
         table.add(d, res.busy[d], res.idle(d), mem)
     unit = " s" if timed else " (units)"
     table.notes.append(
