@@ -135,7 +135,8 @@ def test_a_tuned_schedule_names_its_model_when_simulated_with_another(tmp_path, 
     tuned = tmp_path / "t"
     argv = ["pipeline", "tune", "--model", "llama2-7b", "--devices", "2", "--microbatches", "4"]
     assert main([*argv, "--time-budget", "0", "--out", str(tuned)]) == 0
-    assert json.loads((tuned / "schedule.json").read_text())["meta"]["model"] == "llama2-7b"
+    meta = json.loads((tuned / "schedule.json").read_text())["meta"]
+    assert (meta["model"], meta["memory_cap"]) == ("llama2-7b", 80e9)  # the cap as resolved: the device's
     capsys.readouterr()
     sim = ["pipeline", "simulate", "--schedule", str(tuned / "schedule.json"), "--out", str(tmp_path / "s")]
     assert main([*sim, "--model", "llama3.1-8b"]) == 0
@@ -152,7 +153,7 @@ def test_a_tuned_schedule_names_its_model_when_simulated_with_another(tmp_path, 
     out = " ".join(capsys.readouterr().out.split())  # the notes wrap at the terminal's width
     assert "was tuned with --cluster dgx-h200, simulated with --cluster dgx-h100" in out
     assert "was tuned with --efficiency 0.4, simulated with --efficiency 0.5" in out
-    assert "was tuned with --memory-cap 6e+10, simulated with no --memory-cap" in out
+    assert "was tuned with --memory-cap 60GB, simulated with --memory-cap 80GB" in out  # the resolved caps
     assert main(sim) == 0  # no --model: unit costs, said (a session-48 sweep found no note)
     out = " ".join(capsys.readouterr().out.split())
     assert "was tuned for llama2-7b; simulated with unit costs" in out

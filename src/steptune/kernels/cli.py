@@ -39,6 +39,7 @@ def describe(res: Any, candidate: str) -> str:
         lines.append(
             f"speedup    {res.speedup:.2f}x   reference {_fmt_time(res.ref_time_s)}, candidate "
             f"{_fmt_time(res.candidate_time_s)} (median of {rounds} interleaved rounds, paired ratios)"
+            + ("; SUSPICIOUS: not credited by optimize (reason above)" if res.extra.get("suspicious") else "")
         )
         ratios = res.extra.get("round_ratios") or []
         lo, hi = (min(ratios), max(ratios)) if ratios else (0.0, 0.0)
@@ -108,6 +109,7 @@ def _eval(args: argparse.Namespace) -> int:
             "verdict": res.verdict,
             "reason": res.reason,
             "speedup": res.speedup,
+            "suspicious": bool(res.extra.get("suspicious")),  # optimize does not credit such a speedup
             "ref_time_s": res.ref_time_s,
             "candidate_time_s": res.candidate_time_s,
             "problem": problem.name,

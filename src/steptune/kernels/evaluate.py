@@ -418,6 +418,9 @@ def _prepare(
                     _seed_all(profile_seed + 100 * k)
                     inputs = _to(list(_draw(prob, f"profiling draw {k}")), device)
                     timed.append((inputs, _call(ref, _clones(inputs), f"the reference (profiling draw {k})")))
+                # the RNGs keep their last seed (torch.initial_seed()), which gave the secret one away to the
+                # candidate's module code (a review: a lookup of every profiling draw, 2.35x, credited)
+                _seed_all(seed)
     except MemoryError:
         raise
     except _Verdict as v:
@@ -427,6 +430,22 @@ def _prepare(
             "crashed", f"{PROBLEM_ERROR}building the reference raised {type(exc).__name__}: {exc}"
         ) from exc
     return _Prepared(prob, ref, init, cases, ops, timed, _Namespaces())
+
+
+def _more_draws(prep: _Prepared, device: str, count: int) -> list[tuple[list[Any], Any]]:
+    """``count`` more profiling draws from a fresh secret seed, with the reference's output on each: drawn
+    after the candidate ran (checked first for rebound namespaces), only to confirm a flag, so their
+    memory is not held through every profile."""
+    prep.namespaces.check("the candidate, before its second look on unseen draws,")
+    seed = secrets.randbits(63)
+    out = []
+    with torch.no_grad():
+        for k in range(count):
+            _seed_all(seed + 100 * k)
+            inputs = _to(list(_draw(prep.prob, f"second-look draw {k}")), device)
+            out.append((inputs, _call(prep.ref, _clones(inputs), f"the reference (second-look draw {k})")))
+    _seed_all(secrets.randbits(63))
+    return out
 
 
 def _draw(prob: Any, what: str) -> list[Any]:
@@ -833,7 +852,6 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
             t_ref.append(got["ref"])
             t_new.append(got["new"])
             ratios.append(got["ref"] / max(got["new"], 1e-12))
-        prep.namespaces.check("the candidate, while it was timed,")
         # draw 1's values written into draw 0's tensors: a result cached by identity or pointer is stale
         f_new.restart()
         _call(f_new, [], "the candidate (on draw 0)")  # draw 0 last: a cache of the last inputs holds it
@@ -843,8 +861,18 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
                 "a call on inputs overwritten in place with other values (a result cached by input identity?)"
             )
             _compare(out, outs_r[1], job["problem"], where)
-        seen = _time_unseen(new, prep.ref, unseen, job["problem"], flush, (f_new.draws, f_ref.draws))
+        both = (f_new.draws, f_ref.draws)
+        seen = _time_unseen(new, prep.ref, unseen, job["problem"], flush, both)
+        second: list[float] = []
+        alike = len({repr(_structure(inputs)) for inputs, _ in prep.profile}) == 1
+        if unseen and alike and statistics.median(ratios) > _UNSEEN_SLOWDOWN * statistics.median(seen):
+            # a second look on five more unseen draws before flagging: single calls are noisy on a busy box
+            more = _more_draws(prep, device, _UNSEEN_DRAWS)
+            if len({repr(_structure(inputs)) for inputs, _ in prep.profile + more}) == 1:
+                second = _time_unseen(new, prep.ref, more, job["problem"], flush, both)
+            del more
         _check_state(state, "the candidate, while it was timed on unseen draws,")
+        prep.namespaces.check("the candidate, while it was timed,")
     res = {
         "ref_time_s": statistics.median(t_ref),
         "candidate_time_s": statistics.median(t_new),
@@ -860,17 +888,29 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
         # how much lower the speedup was on values the candidate had not seen than on the timed draws
         slowdown = res["speedup"] / max(res["unseen_speedup"], 1e-12)
         res["unseen_slowdown"] = round(slowdown, 4)
+        if second:
+            res["second_look_speedup"] = statistics.median(second)
+            res["second_look_draw_ratios"] = [round(x, 4) for x in second]
         # Only like with like: where shapes or non-tensor inputs differ between draws, so does the work
         # (a loop count drawn per call: an exact rewrite was 10.5x timed, 1.73x unseen, honestly)
-        alike = len({repr(_structure(inputs)) for inputs, _ in prep.profile}) == 1
         if not alike:
             res["unseen_note"] = "not compared: the draws differ in shapes or non-tensor inputs"
+        elif slowdown > _UNSEEN_SLOWDOWN and second:
+            again = res["speedup"] / max(res["second_look_speedup"], 1e-12)
+            if again > _UNSEEN_SLOWDOWN:
+                res["suspicious"] = True
+                res["unseen_reason"] = (
+                    f"{res['speedup']:.2f}x while timed but {res['unseen_speedup']:.2f}x and "
+                    f"{res['second_look_speedup']:.2f}x on two sets of {len(seen)} draws it had not seen: a "
+                    "result cached by the inputs' contents? Not credited by optimize"
+                )
+            else:
+                res["unseen_note"] = (
+                    f"{res['unseen_speedup']:.2f}x on the first unseen draws, "
+                    f"{res['second_look_speedup']:.2f}x on a second look: single-call noise, not flagged"
+                )
         elif slowdown > _UNSEEN_SLOWDOWN:
-            res["suspicious"] = True
-            res["unseen_reason"] = (
-                f"{res['speedup']:.2f}x while timed but {res['unseen_speedup']:.2f}x on {len(seen)} draws "
-                "it had not seen: a result cached by the inputs' contents? The speedup is withheld"
-            )
+            res["unseen_note"] = "not confirmed: the second-look draws differ in shapes or non-tensor inputs"
     return res
 
 

@@ -113,24 +113,20 @@ def _tune(args: argparse.Namespace) -> int:
     table.print()
     full = resimulate(best, layers, link=link)
     # the cost settings ride in the schedule, so that `pipeline simulate --model` can name a mismatch
-    tuned = replace(best.schedule, meta={**best.schedule.meta, **_cost_settings(args)})
+    tuned = replace(best.schedule, meta={**best.schedule.meta, **_cost_settings(args, cap)})
     paths = _write_outputs(args.out, tuned, full, f"tuned: {best.recipe}")
     paths += list(table.write(args.out / "comparison"))
     print("wrote: " + ", ".join(str(p) for p in paths))
     return 0
 
 
-def _cost_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings a schedule is tuned with: model, cluster, efficiency, memory cap (None: the device's)."""
-    return {
-        "model": args.model,
-        "cluster": args.cluster,
-        "efficiency": args.efficiency,
-        "memory_cap": args.memory_cap,
-    }
+def _cost_settings(args: argparse.Namespace, cap: float | None) -> dict[str, Any]:
+    """The settings a schedule is tuned with: model, cluster, efficiency and the memory cap in bytes as
+    resolved (``--memory-cap``, else the cluster device's memory)."""
+    return {"model": args.model, "cluster": args.cluster, "efficiency": args.efficiency, "memory_cap": cap}
 
 
-def _settings_notes(name: str, meta: dict[str, Any], args: argparse.Namespace) -> list[str]:
+def _settings_notes(name: str, meta: dict[str, Any], args: argparse.Namespace, cap: float) -> list[str]:
     """Notes for the cost settings the schedule was tuned under that this simulation does not use."""
     if meta.get("model") and meta["model"] != args.model:  # same unit count, other model: its own note
         return [
@@ -139,11 +135,11 @@ def _settings_notes(name: str, meta: dict[str, Any], args: argparse.Namespace) -
         ]
 
     def said(flag: str, value: Any) -> str:
-        if value is None:
-            return f"no {flag} (the device's memory)"
+        if flag == "--memory-cap" and isinstance(value, int | float):
+            return f"{flag} {value / 1e9:g}GB"
         return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
-    now, notes = _cost_settings(args), []
+    now, notes = _cost_settings(args, cap), []
     flags = (("cluster", "--cluster"), ("efficiency", "--efficiency"), ("memory_cap", "--memory-cap"))
     for key, flag in flags:
         if key in meta and meta[key] != now[key]:
@@ -217,7 +213,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 f"simulated with the uniform partition {list(part)} and the head {head}; the tuner's "
                 "schedule.json carries its partition and head split"
             )
-        notes += _settings_notes(args.schedule.name, sched.meta, args)
+        notes += _settings_notes(args.schedule.name, sched.meta, args, cap)
         costs = stage_costs(layers, part, link=link)
     else:  # unit costs: F = I = W = 1, free communication
         if args.memory_cap is not None:

@@ -304,7 +304,9 @@ def split_layer(
         return layers
     if not 0 <= index < layers.num_layers:
         raise ValueError(f"layer index {index} outside 0..{layers.num_layers - 1}")
-    carry = carry_bytes if carry_bytes is not None else layers.head_carry_bytes
+    carry = carry_bytes
+    if carry is None and index == layers.num_layers - 1:  # the head: vocab_head's boundary
+        carry = layers.head_carry_bytes
     if carry is None:
         carry = layers.out_bytes[index - 1] if index > 0 else 0.0
 

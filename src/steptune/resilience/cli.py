@@ -176,7 +176,8 @@ def _simulate(args: argparse.Namespace) -> int:
                     "lengths": _lengths(args.lengths),
                     # one object per failure, the scenario CSV's columns; duration_s null: persistent
                     "failures": [
-                        {k: (None if v == math.inf else v) for k, v in asdict(f).items()} for f in failures
+                        {**asdict(f), "duration_s": None if f.duration_s == math.inf else f.duration_s}
+                        for f in failures
                     ],
                     "policies": results,
                 },

@@ -113,6 +113,8 @@ class FailureEvent:
             raise ValueError(f"start_s: a failure starts at a finite time >= 0 seconds, got {self.start_s}")
         if not self.duration_s > 0:
             raise ValueError(f"duration_s: a failure lasts > 0 seconds (or inf), got {self.duration_s}")
+        if not math.isfinite(self.factor):  # a fail-stop ignores it, but a NaN would reach JSON and traces
+            raise ValueError(f"factor: a failure's factor is a finite number, got {self.factor}")
         if self.kind == "fail-slow" and not 0 < self.factor <= 1:
             hint = f"; a {self.factor:g}x slowdown is factor {1 / self.factor:.4g}" if self.factor > 1 else ""
             raise ValueError(

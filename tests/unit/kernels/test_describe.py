@@ -22,3 +22,10 @@ def test_a_noisy_profile_says_so_and_a_steady_one_does_not():
     note = "not compared: the draws differ in shapes or non-tensor inputs"
     skipped = describe(_profiled([0.8], unseen_speedup=2.0, unseen_draw_ratios=[2.0], unseen_note=note), "k")
     assert f"on 1 draws not timed before (one call each); {note}" in skipped
+
+
+def test_a_suspicious_speedup_says_it_is_not_credited():
+    # A review: the reason said "withheld" while eval printed the speedup as any other
+    text = describe(_profiled([6.4, 6.5], suspicious=True), "k.py")
+    assert "SUSPICIOUS: not credited by optimize" in text
+    assert "SUSPICIOUS" not in describe(_profiled([0.8, 0.8]), "k.py")

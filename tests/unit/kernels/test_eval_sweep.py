@@ -4,6 +4,7 @@ correct, correct kernels judged crashed or incorrect, and problem faults blamed 
 import random
 
 import pytest
+import torch
 
 from steptune.kernels.agent import PROBLEM_ERROR
 from steptune.kernels.pool import EvalPool, PoolConfig
@@ -379,7 +380,39 @@ def test_profiling_draws_come_from_a_secret_seed(pools):
     # a given seed reproduces the draws (the validation draws keep the public seed)
     with EvalPool(PoolConfig(num_workers=1, timeout_s=30, profile_seed=res.extra["profile_seed"])) as pool:
         again = pool.submit(MM, PRECOMPUTED, kind="profile").result(timeout=120)
-    assert again.extra["profile_seed"] == res.extra["profile_seed"]
+    assert again.extra["profile_seed"] == res.extra["profile_seed"]  # the draws: the next test
+
+
+def test_the_secret_seed_does_not_reach_the_candidate(pools):
+    # A review (session 48): the RNGs kept the last profiling draw's seed, so module code read the secret
+    # from torch.initial_seed() and looked every profiling draw up (2.35x with one exp per call, credited)
+    checked, _ = pools
+    leak = _candidate(
+        "o = self.c.get(float(a[0][0, 0]))\n        return o.clone() if o is not None else " + EINSUM,
+        init=(
+            "self.c = {}\n        for k in range(7):\n            torch.manual_seed(_S + 100 * k)\n"
+            "            x, y = torch.randn(160, 160), torch.randn(160, 160)\n"
+            "            self.c[float(x[0, 0])] = torch.einsum('ij,jk->ik', x, y)"
+        ),
+        prelude="_S = torch.initial_seed() - 600\n",
+    )
+    res = checked.submit(MM, leak, kind="profile").result(timeout=120)
+    assert res.verdict == "correct" and res.speedup < 2.0, (res.speedup, res.reason, res.extra)
+
+
+def test_a_profile_seed_reproduces_the_draws(tmp_path):
+    from steptune.kernels.evaluate import _prepare
+
+    problem = {"source": MM.source, "seed": 0}
+
+    def draws(seed):
+        return [inputs for inputs, _ in _prepare(problem, tmp_path, "cpu", 1, seed).profile]
+
+    a, b, c = draws(12345), draws(12345), draws(777)
+    assert all(torch.equal(x, y) for da, db in zip(a, b, strict=True) for x, y in zip(da, db, strict=True))
+    assert not torch.equal(a[0][0], c[0][0])
+    # the RNGs end on the public seed, not the secret one
+    assert torch.initial_seed() == 0
 
 
 def test_draws_of_unequal_work_are_not_compared(pools):

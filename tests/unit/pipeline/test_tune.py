@@ -66,6 +66,8 @@ def test_split_layer_preserves_work_and_lowers_the_bound():
     tokens = spec.seq_len
     assert split.out_bytes[-4:-1] == (4.0 * (spec.hidden_size + 4) * tokens,) * 3
     assert split.out_bytes[-5] == layers.out_bytes[-2] == 2.0 * spec.hidden_size * tokens
+    middle = split_layer(layers, 3, 2)  # not the head: its own output between the halves
+    assert middle.out_bytes[3] == layers.out_bytes[2]
     # gemma-2b's head is heavier than an 8-device share: splitting it lowers the bound
     assert lower_bound(split, 8, 16) < lower_bound(layers, 8, 16)
 

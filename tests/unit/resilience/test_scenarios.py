@@ -48,6 +48,7 @@ def test_csv_round_trip_and_errors(tmp_path: Path) -> None:
         ("fail-slow,1,-3,inf,0.5", "start_s"),
         ("fail-slow,1,10,0,0.5", "duration_s"),
         ("fail-slo,1,10,inf,0.5", "kind"),
+        ("fail-stop,1,10,inf,nan", "factor"),  # ignored by a fail-stop, but a NaN broke simulate --json
     ):
         bad.write_text(head + row + "\n")
         with pytest.raises(ValueError, match=rf"bad\.csv:2: column {column}: "):
