@@ -10,7 +10,8 @@ exploit, by reading the AST (not by regex, so comments and strings do not trip t
   `threading`, `concurrent`, `signal`, `socket`, `os.fork`/`system`/`popen`/`exec*`/`kill`/`spawn*`);
 - introspection that can reach the reference's results or disable the runtime op recorder (`gc`, `inspect`,
   `sys._getframe`, `torch._C`, `torch.utils._python_dispatch`, `builtins`, `importlib`, `__import__`, `exec`,
-  `eval`, `compile`, `globals`);
+  `eval`, `compile`, `globals`), and frames by any route (`traceback`, `logging`, a generator's `gi_frame`,
+  `f_back`, `f_locals`, `tb_frame`, ...); the secret seeds' source (`secrets`, `random._urandom`);
 - work on side streams (`torch.cuda.Stream`, `torch.cuda.stream(...)`), which timing on the default stream
   would miss;
 - attribute access by computed name (`getattr(x, name)` with a non-literal name, `operator.attrgetter`,
@@ -48,6 +49,9 @@ _BANNED_MODULES = {
     "socket": "opens sockets",
     "gc": "can reach the reference's tensors",
     "inspect": "can reach the evaluator's frames",
+    "traceback": "can reach the evaluator's frames (traceback.walk_stack)",
+    "logging": "can reach the evaluator's frames (logging.currentframe)",
+    "secrets": "can fix the evaluator's secret seeds",
     "builtins": "can rebind builtins",
     "importlib": "imports by computed name",
     "pickle": "can run arbitrary code",
@@ -114,6 +118,22 @@ _BANNED_ATTRS = {
     "py_object": "turns the interpreter's C API results into objects",
     "__setattr__": "rebinds attributes past the rebinding check (time.__setattr__('perf_counter', ...))",
     "__delattr__": "deletes attributes past the rebinding check",
+    # the evaluator's frames (a red team read every reference output from prep's locals through a
+    # generator's gi_frame.f_back, then looked each call up: "correct", 7x)
+    "f_back": "can reach the evaluator's frames",
+    "f_locals": "can reach the evaluator's frames",
+    "f_globals": "can reach the evaluator's frames",
+    "f_code": "can reach the evaluator's frames",
+    "gi_frame": "can reach the evaluator's frames",
+    "cr_frame": "can reach the evaluator's frames",
+    "ag_frame": "can reach the evaluator's frames",
+    "gi_yieldfrom": "can reach the evaluator's frames",
+    "tb_frame": "can reach the evaluator's frames",
+    "tb_next": "can reach the evaluator's frames",
+    "__traceback__": "can reach the evaluator's frames",
+    "currentframe": "can reach the evaluator's frames",
+    "_getframe": "can reach the evaluator's frames",
+    "_urandom": "can fix the evaluator's secret seeds (random._urandom)",
     "__torch_function__": "makes a tensor subclass whose operations run the candidate's code inside the "
     "evaluator's own checks",
     "__torch_dispatch__": "makes a tensor subclass whose operations run the candidate's code inside the "

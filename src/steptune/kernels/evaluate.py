@@ -33,7 +33,6 @@ import functools
 import math
 import os
 import random
-import secrets
 import statistics
 import sys
 import threading
@@ -242,7 +241,11 @@ def _seed_all(seed: int) -> None:
         np.random.seed(seed % 2**32)
 
 
+_URANDOM = os.urandom
+
 _WATCHED = (
+    "os",
+    "random",
     "torch",
     "torch.nn",
     "torch.nn.functional",
@@ -432,19 +435,24 @@ def _prepare(
     return _Prepared(prob, ref, init, cases, ops, timed, _Namespaces())
 
 
-def _more_draws(prep: _Prepared, device: str, count: int) -> list[tuple[list[Any], Any]]:
-    """``count`` more profiling draws from a fresh secret seed, with the reference's output on each: drawn
-    after the candidate ran (checked first for rebound namespaces), only to confirm a flag, so their
-    memory is not held through every profile."""
+def _secret_seed() -> int:
+    """63 bits from the OS, through a function bound when this module was imported: a red team fixed
+    ``secrets.randbits`` by rebinding ``random._urandom`` from the candidate's module code."""
+    return int.from_bytes(_URANDOM(8), "little") >> 1
+
+
+def _more_draws(prep: _Prepared, device: str, count: int, seed: int) -> list[tuple[list[Any], Any]]:
+    """``count`` more profiling draws from ``seed`` (secret, drawn before the candidate was imported),
+    with the reference's output on each: drawn after the candidate ran (checked first for rebound
+    namespaces), only to confirm a flag, so their memory is not held through every profile."""
     prep.namespaces.check("the candidate, before its second look on unseen draws,")
-    seed = secrets.randbits(63)
     out = []
     with torch.no_grad():
         for k in range(count):
             _seed_all(seed + 100 * k)
             inputs = _to(list(_draw(prep.prob, f"second-look draw {k}")), device)
             out.append((inputs, _call(prep.ref, _clones(inputs), f"the reference (second-look draw {k})")))
-    _seed_all(secrets.randbits(63))
+    _seed_all(_secret_seed())
     return out
 
 
@@ -861,13 +869,13 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
                 "a call on inputs overwritten in place with other values (a result cached by input identity?)"
             )
             _compare(out, outs_r[1], job["problem"], where)
-        both = (f_new.draws, f_ref.draws)
+        both = (f_new, f_ref)
         seen = _time_unseen(new, prep.ref, unseen, job["problem"], flush, both)
         second: list[float] = []
         alike = len({repr(_structure(inputs)) for inputs, _ in prep.profile}) == 1
         if unseen and alike and statistics.median(ratios) > _UNSEEN_SLOWDOWN * statistics.median(seen):
             # a second look on five more unseen draws before flagging: single calls are noisy on a busy box
-            more = _more_draws(prep, device, _UNSEEN_DRAWS)
+            more = _more_draws(prep, device, _UNSEEN_DRAWS, int(job["second_look_seed"]))
             if len({repr(_structure(inputs)) for inputs, _ in prep.profile + more}) == 1:
                 second = _time_unseen(new, prep.ref, more, job["problem"], flush, both)
             del more
@@ -925,19 +933,19 @@ def _time_unseen(
     unseen: list[tuple[list[Any], Any]],
     problem: dict[str, Any],
     flush: Any,
-    seen: tuple[list[list[Any]], list[list[Any]]],
+    seen: tuple[_Alternating, _Alternating],
 ) -> list[float]:
-    """For each unseen draw k, each side (the order alternating) makes an untimed call on timed draw
-    k mod D (parameters and code as warm as in the rounds), then one timed call on a fresh copy of unseen
-    draw k, the candidate's output on it checked. Returns the reference-to-candidate time ratio per k."""
-    seen_new, seen_ref = seen
+    """For each unseen draw k, each side (the order alternating) makes an untimed call on its next timed
+    draw, as in the rounds (versions bumped: a red team told the unbumped warm call apart), then one timed
+    call on a fresh copy of unseen draw k, the candidate's output on it checked. Returns the
+    reference-to-candidate time ratio per k."""
+    alt_new, alt_ref = seen
     ratios = []
     for k, (inputs, want) in enumerate(unseen):
-        j = k % len(seen_new)
-        sides = [("ref", ref, seen_ref[j]), ("new", new, seen_new[j])]
+        sides = [("ref", ref, alt_ref), ("new", new, alt_new)]
         took: dict[str, float] = {}
-        for name, fn, old in sides if k % 2 == 0 else sides[::-1]:
-            fn(*old)
+        for name, fn, alt in sides if k % 2 == 0 else sides[::-1]:
+            alt()
             call = functools.partial(fn, *_clones(inputs))
             took[name], out = _time_cuda(call, 1, flush, 0) if flush is not None else _time_cpu(call, 1, 0)
             if name == "new":
@@ -974,7 +982,8 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
         profiled = job["kind"] == "profile" and not interpreted
         # profiling draws from a seed the candidate cannot know (it could precompute the public one's)
         pseed = job.get("profile_seed")
-        pseed = (secrets.randbits(63) if pseed is None else int(pseed)) if profiled else None
+        pseed = (_secret_seed() if pseed is None else int(pseed)) if profiled else None
+        job = {**job, "second_look_seed": _secret_seed()}  # before the candidate's code can touch the RNGs
         prep = _prepare(job["problem"], workdir, device, trials, pseed)
         new, compile_s, baseline = _build(job["problem"], job["candidate"], workdir, device, fp_mode, prep)
         out["compile_s"] = compile_s

@@ -428,3 +428,29 @@ def test_draws_of_unequal_work_are_not_compared(pools):
     res = checked.submit(problem, closed, kind="profile").result(timeout=120)
     assert res.verdict == "correct" and not res.extra.get("suspicious"), (res.reason, res.extra)
     assert "differ in shapes or non-tensor inputs" in res.extra["unseen_note"]
+
+
+@pytest.mark.parametrize(
+    "prelude",
+    [
+        # a generator's frame walked back to the evaluator's locals (prep held every reference output)
+        "def _up():\n    yield 0\n_F = (lambda g: g.gi_frame.f_back)(_up())\n",
+        "import traceback\n_F = list(traceback.walk_stack(None))\n",
+        "import logging\n_F = logging.currentframe()\n",
+        # the secret seeds fixed through random's os.urandom
+        "_M = [random]\n_M[0]._urandom = lambda n: bytes(n)\n",
+    ],
+    ids=["gi_frame", "traceback", "logging", "urandom"],
+)
+def test_routes_to_the_evaluators_frames_and_seeds_are_rejected(pools, prelude):
+    # A second red team (session 48): each of these passed the checks and was credited 4.4-7.4x
+    checked, _ = pools
+    verdict, reason = _verdict(checked, MM, _candidate(f"return {EINSUM}", prelude=prelude), kind="profile")
+    assert verdict == "rejected" and "static check" in reason, reason
+
+
+def test_the_urandom_patch_is_caught_at_run_time_too(pools):
+    _, bare = pools
+    patch = "_M = [random]\n_M[0]._urandom = lambda n: bytes(n)\n"
+    verdict, reason = _verdict(bare, MM, _candidate(f"return {EINSUM}", prelude=patch), kind="profile")
+    assert verdict == "rejected" and "random._urandom" in reason, reason
