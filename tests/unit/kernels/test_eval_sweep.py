@@ -374,7 +374,8 @@ def test_profiling_draws_come_from_a_secret_seed(pools):
     # included ("correct", about 6x on this matmul with a spin to stay under the 10x flag)
     checked, _ = pools
     res = checked.submit(MM, PRECOMPUTED, kind="profile").result(timeout=120)
-    assert res.verdict == "correct" and res.speedup < 2.0 and not res.extra.get("suspicious"), res.extra
+    # looked up it was 6x and more; computed it is about 0.9x (3x leaves room for a busy box's noise)
+    assert res.verdict == "correct" and res.speedup < 3.0, (res.speedup, res.reason, res.extra)
     other = checked.submit(MM, PRECOMPUTED, kind="profile").result(timeout=120)
     assert res.extra["profile_seed"] != other.extra["profile_seed"]
     # a given seed reproduces the draws (the validation draws keep the public seed)
@@ -397,7 +398,7 @@ def test_the_secret_seed_does_not_reach_the_candidate(pools):
         prelude="_S = torch.initial_seed() - 600\n",
     )
     res = checked.submit(MM, leak, kind="profile").result(timeout=120)
-    assert res.verdict == "correct" and res.speedup < 2.0, (res.speedup, res.reason, res.extra)
+    assert res.verdict == "correct" and res.speedup < 3.0, (res.speedup, res.reason, res.extra)
 
 
 def test_a_profile_seed_reproduces_the_draws(tmp_path):
