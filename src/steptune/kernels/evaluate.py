@@ -416,11 +416,9 @@ def _prepare(
                 cases.append((inputs, out))
             timed = None
             if profile_seed is not None:
-                timed = []
-                for k in range(_PROFILE_DRAWS + _UNSEEN_DRAWS):
-                    _seed_all(profile_seed + 100 * k)
-                    inputs = _to(list(_draw(prob, f"profiling draw {k}")), device)
-                    timed.append((inputs, _call(ref, _clones(inputs), f"the reference (profiling draw {k})")))
+                timed = _seeded_draws(
+                    prob, ref, device, profile_seed, _PROFILE_DRAWS + _UNSEEN_DRAWS, "profiling"
+                )
                 # the RNGs keep their last seed (torch.initial_seed()), which gave the secret one away to the
                 # candidate's module code (a review: a lookup of every profiling draw, 2.35x, credited)
                 _seed_all(seed)
@@ -446,13 +444,21 @@ def _more_draws(prep: _Prepared, device: str, count: int, seed: int) -> list[tup
     with the reference's output on each: drawn after the candidate ran (checked first for rebound
     namespaces), only to confirm a flag, so their memory is not held through every profile."""
     prep.namespaces.check("the candidate, before its second look on unseen draws,")
-    out = []
     with torch.no_grad():
-        for k in range(count):
-            _seed_all(seed + 100 * k)
-            inputs = _to(list(_draw(prep.prob, f"second-look draw {k}")), device)
-            out.append((inputs, _call(prep.ref, _clones(inputs), f"the reference (second-look draw {k})")))
+        out = _seeded_draws(prep.prob, prep.ref, device, seed, count, "second-look")
     _seed_all(_secret_seed())
+    return out
+
+
+def _seeded_draws(
+    prob: Any, ref: Any, device: str, seed: int, count: int, what: str
+) -> list[tuple[list[Any], Any]]:
+    """``count`` draws of inputs (draw k seeded ``seed + 100 k``) and the reference's output on each."""
+    out = []
+    for k in range(count):
+        _seed_all(seed + 100 * k)
+        inputs = _to(list(_draw(prob, f"{what} draw {k}")), device)
+        out.append((inputs, _call(ref, _clones(inputs), f"the reference ({what} draw {k})")))
     return out
 
 
@@ -811,7 +817,9 @@ def _rebuilt_scalars(x: Any) -> Any:
     return x
 
 
-def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dict[str, Any]:
+def _profile(
+    new: Any, prep: _Prepared, job: dict[str, Any], device: str, second_look_seed: int
+) -> dict[str, Any]:
     assert prep.profile is not None
     draws, unseen = prep.profile[:_PROFILE_DRAWS], prep.profile[_PROFILE_DRAWS:]
     outs_r = [out for _, out in draws]
@@ -872,11 +880,11 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
         both = (f_new, f_ref)
         seen = _time_unseen(new, prep.ref, unseen, job["problem"], flush, both)
         second: list[float] = []
-        alike = len({repr(_structure(inputs)) for inputs, _ in prep.profile}) == 1
+        alike = _alike(prep.profile)
         if unseen and alike and statistics.median(ratios) > _UNSEEN_SLOWDOWN * statistics.median(seen):
             # a second look on five more unseen draws before flagging: single calls are noisy on a busy box
-            more = _more_draws(prep, device, _UNSEEN_DRAWS, int(job["second_look_seed"]))
-            if len({repr(_structure(inputs)) for inputs, _ in prep.profile + more}) == 1:
+            more = _more_draws(prep, device, _UNSEEN_DRAWS, second_look_seed)
+            if _alike(prep.profile + more):
                 second = _time_unseen(new, prep.ref, more, job["problem"], flush, both)
             del more
         _check_state(state, "the candidate, while it was timed on unseen draws,")
@@ -922,9 +930,13 @@ def _profile(new: Any, prep: _Prepared, job: dict[str, Any], device: str) -> dic
     return res
 
 
-def _structure(inputs: list[Any]) -> tuple[Any, list[tuple[Any, Any]]]:
-    """What sets a call's work besides tensor values: non-tensor items, tensor shapes and dtypes."""
-    return _rebuilt_scalars(inputs), [(tuple(t.shape), t.dtype) for t in _tensors_in(inputs)]
+def _alike(draws: list[tuple[list[Any], Any]]) -> bool:
+    """Whether every draw sets the same work besides tensor values: non-tensor items, shapes and dtypes."""
+    shapes = {
+        repr((_rebuilt_scalars(inputs), [(tuple(t.shape), t.dtype) for t in _tensors_in(inputs)]))
+        for inputs, _ in draws
+    }
+    return len(shapes) == 1
 
 
 def _time_unseen(
@@ -980,10 +992,10 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
         fp_mode = _FPMode()
         trials = int(job.get("trials", 5)) if job["kind"] == "validate" else 1
         profiled = job["kind"] == "profile" and not interpreted
-        # profiling draws from a seed the candidate cannot know (it could precompute the public one's)
-        pseed = job.get("profile_seed")
+        # profiling draws from seeds the candidate cannot know (it could precompute the public one's), both
+        # drawn before its code can touch the RNGs
+        pseed, second = job.get("profile_seed"), _secret_seed()
         pseed = (_secret_seed() if pseed is None else int(pseed)) if profiled else None
-        job = {**job, "second_look_seed": _secret_seed()}  # before the candidate's code can touch the RNGs
         prep = _prepare(job["problem"], workdir, device, trials, pseed)
         new, compile_s, baseline = _build(job["problem"], job["candidate"], workdir, device, fp_mode, prep)
         out["compile_s"] = compile_s
@@ -992,7 +1004,7 @@ def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
         if job["kind"] == "profile" and interpreted:
             out["reason"] = "not timed: the Triton interpreter checks correctness only"
         elif job["kind"] == "profile":
-            out.update(_profile(new, prep, job, device), profile_seed=pseed)
+            out.update(_profile(new, prep, job, device, second), profile_seed=pseed)
         if job["kind"] == "profile" and out.get("speedup", 0.0) > float(job.get("excessive_speedup", 10.0)):
             out["reason"] = f"speedup {out['speedup']:.1f}x is suspiciously high: check the kernel by hand"
             out["suspicious"] = True

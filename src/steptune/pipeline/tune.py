@@ -209,8 +209,8 @@ def _lowest_cap(
             break
         mid = (lo + hi) / 2
         got = None
+        pol = replace(_POLICIES[0], memory_cap=mid)
         for split, units, family, placement, pname, part in combos:
-            pol = replace(_POLICIES[0], memory_cap=mid)
             try:
                 sched = _list_maker(units, placement, num_microbatches, pol, config)(part)
             except (ScheduleError, ValueError):

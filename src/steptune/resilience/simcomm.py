@@ -67,6 +67,10 @@ class CommModel:
         key = tuple(speeds[n + d] for g in groups for d in g)
         return key if min(key) < 1.0 else None
 
+    def slow_link(self, groups: Sequence[Sequence[int]], speeds: Sequence[float]) -> bool:
+        """Whether ``speeds`` (compute, then link factors) shows a slow link on ``groups``' devices."""
+        return self._link_key(groups, speeds) is not None
+
     def link(self, speeds: Sequence[float], d: int) -> float:
         return speeds[self.num_devices + d] if len(speeds) > self.num_devices else 1.0
 

@@ -167,7 +167,8 @@ class SteptunePolicy(ResiHPPolicy):
         # so only leaving the group helps (a sweep: 0.728x of ResiHP at one link at 0.055 of its
         # bandwidth, TP4 PP2 DP2). Weighed for every fault, the greedy choice of it lost 0.2-0.7% in 11
         # fail-stop and mixed bench rows.
-        if state.tp_shares and not dead and _slow_link_in(plan, observed, len(state.speeds)):
+        slow_link = ctx.comm is not None and ctx.comm.slow_link(plan.tp_groups, observed)
+        if state.tp_shares and not dead and slow_link:
             cand = try_replan(replace(state, tp_shares=False), plan, self.expected_slow_s, ctx.job.reconfig)
             if cand is not None:
                 more.append(cand)
@@ -190,11 +191,3 @@ class SteptunePolicy(ResiHPPolicy):
         if self._adapted:
             return ctx.rescheduled_step_time(plan, speeds)
         return ctx.step_time(plan, speeds)
-
-
-def _slow_link_in(plan: ExecutionPlan, observed: tuple[float, ...], n: int) -> bool:
-    """Whether ``observed`` (n compute factors, then n link factors under a communication model) shows a
-    slow link on a device ``plan`` uses."""
-    if len(observed) < 2 * n:
-        return False
-    return any(observed[n + d] < 1.0 for g in plan.tp_groups for d in g)
